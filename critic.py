@@ -1,0 +1,56 @@
+"""The critic (and the outcome reward model): a causal-LM backbone with a scalar head (paper §2, §3.1).
+
+Both are a Hugging Face `AutoModelForTokenClassification` with one label and no dropout, so they
+save and load in Hugging Face format like any other checkpoint. The two differ only in how they
+are trained and read:
+- the outcome reward model (`reward.py`) is trained on the output at the last token (EOS) only;
+- the critic reads V(s_t) at the position whose next token is response token t (DESIGN.md).
+Plain PPO initialises the critic from the reward model, whose prefix values are out of
+distribution (§3.1); VC-PPO initialises it from pi_SFT with a fresh head, then pretrains it (§3.2).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoConfig, AutoModelForTokenClassification
+
+from rollout import RolloutBatch
+
+
+def load_value_model(path: str, head_init_std: float | None = None, dtype=torch.float32):
+    """A backbone + scalar head from `path`.
+
+    If `path` holds a value model (critic or reward model), its head is loaded as saved.
+    If it holds a causal LM (pi_SFT), the head is new: weights ~ N(0, head_init_std), bias 0, so
+    the critic starts near V = 0 rather than from Hugging Face's default initialisation.
+    """
+    config = AutoConfig.from_pretrained(path)
+    has_head = any("TokenClassification" in a for a in (config.architectures or []))
+    config.num_labels = 1
+    config.classifier_dropout = 0.0  # a regression head; dropout would only add noise to V
+    model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=dtype)
+    if not has_head or head_init_std is not None:
+        std = 0.02 if head_init_std is None else head_init_std
+        with torch.no_grad():
+            model.score.weight.normal_(0.0, std)
+            model.score.bias.zero_()
+    return model
+
+
+def value_outputs(model, input_ids, attention_mask, position_ids) -> torch.Tensor:
+    """Scalar output at every position: [B, S] float32."""
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+    return out.logits.squeeze(-1).float()
+
+
+def response_values(model, batch: RolloutBatch) -> torch.Tensor:
+    """values[b, t] = V(s_t) for every response token, exactly 0 on padding: [B, T]."""
+    values = batch.response_slice(value_outputs(model, **batch.model_inputs()))
+    return values * batch.response_mask
+
+
+def assert_finite(model, name: str) -> None:
+    """Stop with a clear message when a model's weights hold NaN or inf."""
+    for param_name, param in model.named_parameters():
+        if not torch.isfinite(param).all():
+            raise FloatingPointError(f"{name}: parameter {param_name} holds NaN or inf")
