@@ -188,6 +188,7 @@ def plot(res: Eq8Result, path: Path) -> None:
         bx.text(b * 3, i, f"{b:.1e}" if b > 1e-17 else "0", va="center")
     bx.set(xscale="log", xlim=(1e-18, 1), yticks=range(len(names)), yticklabels=[""] * len(names),
            title="baseline term ‖E[Σ V'(s_t) ∇log π]‖ / ‖g_true‖")
+    bx.invert_yaxis()  # rows top to bottom, as in the heat map
     fig.suptitle(f"Eq. 8 identity: max |A_gae − A_eq8| = {res.eq8_max_err:.1e} ({res.gae_dtype})")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

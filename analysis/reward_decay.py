@@ -25,7 +25,6 @@ from tqdm import tqdm
 
 from gae import compute_gae
 
-TINY = 1e-30  # relative deviations are measured only where the weight is a normal float32 number
 
 
 @dataclass
@@ -51,8 +50,12 @@ class DecayCurves:
     def max_abs_deviation(self) -> float:
         return float(np.abs(self.code - self.formula).max())
 
+    def tiny(self) -> float:
+        """Smallest normal number of the code's dtype: below it the code cannot be precise."""
+        return torch.finfo(self.code_dtype).tiny
+
     def max_rel_deviation(self) -> float:
-        ok = self.formula > TINY
+        ok = self.formula >= self.tiny()
         return float((np.abs(self.code - self.formula)[ok] / self.formula[ok]).max())
 
 
@@ -88,7 +91,7 @@ def plot(c: DecayCurves, path: Path) -> None:
     near.set(xlabel="distance d from the last token", ylabel="weight of the terminal reward in the critic target",
              title="first 300 tokens (linear)")
     far.set(xlabel="distance d from the last token", yscale="log", ylim=(1e-45, 3), title="full range (log)")
-    near.legend(fontsize=7, ncol=2)
+    near.legend(fontsize=7, ncol=2, loc="upper right", bbox_to_anchor=(1, 0.94))  # below the λ=1 line
     fig.suptitle(f"Reward signal decay λ^d (lines) vs gae.compute_gae returns (circles); "
                  f"max |code − formula| = {c.max_abs_deviation():.1e}")
     fig.tight_layout()
@@ -100,6 +103,8 @@ def markdown(c: DecayCurves, table_distances: tuple[int, ...], seconds: float) -
     head = "| distance d | " + " | ".join(f"lambda={lam:g}" for lam in c.lambdas) + " |"
     rows = [f"| {d} | " + " | ".join(f"{c.formula[i, d]:.3g} ({c.code[i, d]:.3g})" for i in range(len(c.lambdas)))
             + " |" for d in table_distances]
+    underflow = (c.code == 0) & (c.formula > 0)
+    subnormal = (c.code > 0) & (c.code < c.tiny())
     horizon = ", ".join(f"{1 / (1 - lam):.0f} (lambda={lam:g})" for lam in c.lambdas if lam < 1)
     return "\n".join([
         "# Reward signal decay (paper §3.1, PAPER.md §1)", "",
@@ -107,9 +112,10 @@ def markdown(c: DecayCurves, table_distances: tuple[int, ...], seconds: float) -
         "last one (gamma = 1, zero values). Each cell: formula in float64 (gae.compute_gae returns in "
         f"{c.code_dtype}).", "", head, "|---|" + "---|" * len(c.lambdas), *rows, "",
         f"- Max |code - formula| over d = 0..{c.distance[-1]} and all lambdas: {c.max_abs_deviation():.2e}.",
-        f"- Max relative deviation where the weight exceeds {TINY:g}: {c.max_rel_deviation():.2e} "
-        "(float32 rounding compounds once per token). Below float32's smallest normal number (~1e-38) the "
-        "code's weights are subnormal and stall at a few multiples of 1.4e-45 instead of reaching 0.",
+        f"- Max relative deviation where the weight is at least {c.tiny():.2g} (the smallest normal "
+        f"{c.code_dtype}): {c.max_rel_deviation():.2e}.",
+        f"- Weights under that limit (float underflow): the code returns exactly 0 at {int(underflow.sum())} and a "
+        f"subnormal number at {int(subnormal.sum())} of the {c.code.size} points.",
         f"- Effective horizon 1/(1-lambda): {horizon or 'none (lambda = 1 does not decay)'} tokens.",
         f"- Runtime {seconds:.2f} s.", "",
     ])
