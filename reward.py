@@ -187,8 +187,8 @@ class Grader:
             except OSError:
                 pass
         for w in self.workers:
-            try:
-                w.proc.wait(timeout=2)
+            try:  # a worker still starting up (or hung) is not worth waiting for
+                w.proc.wait(timeout=1 if w.ready and not w.pending else 0.01)
             except subprocess.TimeoutExpired:
                 pass
             w.kill()
