@@ -1,0 +1,142 @@
+"""data.py: loading JSONL / Parquet prompt files, error reporting, chat templates, the split."""
+
+import json
+import random
+
+import pandas as pd
+import pytest
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from data import LoadStats, encode_prompt, load_records, train_eval_split
+
+TEMPLATE = ("{% for m in messages %}<u>{{ m['content'] }}{% endfor %}"
+            "{% if add_generation_prompt %}<a>{% endif %}")
+
+
+def char_tokenizer(chat_template: str | None = None) -> PreTrainedTokenizerFast:
+    """One token per printable ASCII character."""
+    specials = ["<pad>", "<eos>", "<unk>"]
+    vocab = {tok: i for i, tok in enumerate(specials + [chr(c) for c in range(32, 127)] + ["\n"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    out.chat_template = chat_template
+    return out
+
+
+def write_jsonl(path, lines):
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    return path
+
+
+GOOD = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "half of 1?", "answer": 0.5}, {"prompt": "3*3", "answer": 9}]
+
+
+def test_jsonl_records_hold_prompt_answer_and_ids(tmp_path):
+    tok = char_tokenizer()
+    records, stats = load_records(write_jsonl(tmp_path / "d.jsonl", GOOD + [""]), tok)
+    assert [r["prompt"] for r in records] == [g["prompt"] for g in GOOD]
+    assert [r["answer"] for r in records] == ["2", "0.5", "9"]  # numbers become text
+    assert records[0]["prompt_ids"] == tok("1+1=")["input_ids"]
+    assert stats == LoadStats(loaded=3, skipped_malformed=0, dropped_too_long=0)
+
+
+def test_chat_template_is_applied_with_generation_prompt(tmp_path):
+    tok = char_tokenizer(TEMPLATE)
+    records, _ = load_records(write_jsonl(tmp_path / "d.jsonl", GOOD[:1]), tok)
+    assert tok.decode(records[0]["prompt_ids"]) == "<u>1+1=<a>"
+    assert encode_prompt(char_tokenizer(), "1+1=") == char_tokenizer()("1+1=")["input_ids"]
+
+
+@pytest.mark.parametrize("bad_line, message", [
+    ('{"prompt": "x", "answer": ', "malformed JSON"),
+    ({"answer": "1"}, "missing field 'prompt'"),
+    ({"prompt": "x"}, "missing field 'answer'"),
+    ({"prompt": "   ", "answer": "1"}, "empty or non-text prompt"),
+    ({"prompt": "x", "answer": ""}, "empty or non-text answer"),
+    ([1, 2], "expected an object"),
+])
+def test_bad_line_error_names_file_and_line(tmp_path, bad_line, message):
+    path = write_jsonl(tmp_path / "d.jsonl", GOOD[:2] + [bad_line] + GOOD[2:])
+    with pytest.raises(ValueError, match=rf"d\.jsonl:3: {message}"):
+        load_records(path, char_tokenizer())
+
+
+def test_skip_mode_counts_malformed_lines(tmp_path):
+    lines = GOOD[:1] + ["{not json", {"prompt": "", "answer": "1"}, {"question": "x"}] + GOOD[1:]
+    records, stats = load_records(write_jsonl(tmp_path / "d.jsonl", lines), char_tokenizer(), on_error="skip")
+    assert [r["prompt"] for r in records] == [g["prompt"] for g in GOOD]
+    assert stats == LoadStats(loaded=3, skipped_malformed=3, dropped_too_long=0)
+
+
+def test_prompts_over_the_token_limit_are_dropped_and_counted(tmp_path):
+    lines = GOOD + [{"prompt": "x" * 50, "answer": "1"}]
+    records, stats = load_records(write_jsonl(tmp_path / "d.jsonl", lines), char_tokenizer(), max_prompt_tokens=10)
+    assert len(records) == 3 and all(len(r["prompt_ids"]) <= 10 for r in records)
+    assert stats.dropped_too_long == 1
+    # The limit counts template tokens too: "<u>" and "<a>" add 6 characters.
+    _, templated = load_records(tmp_path / "d.jsonl", char_tokenizer(TEMPLATE), max_prompt_tokens=10)
+    assert templated.dropped_too_long == 2  # "half of 1?" is 10 characters, 16 with the template
+
+
+def test_parquet_and_custom_field_names(tmp_path):
+    path = tmp_path / "d.parquet"
+    pd.DataFrame({"question": ["1+1=", "2+2="], "solution": ["2", "4"], "extra": [1, 2]}).to_parquet(path)
+    records, stats = load_records(path, char_tokenizer(), prompt_key="question", answer_key="solution")
+    assert [(r["prompt"], r["answer"]) for r in records] == [("1+1=", "2"), ("2+2=", "4")]
+    assert stats.loaded == 2
+    with pytest.raises(ValueError, match=r"d\.parquet: no column 'prompt'"):
+        load_records(path, char_tokenizer())
+
+
+def test_parquet_bad_row_is_named(tmp_path):
+    path = tmp_path / "d.parquet"
+    pd.DataFrame({"prompt": ["1+1=", None, "3+3="], "answer": ["2", "4", "6"]}).to_parquet(path)
+    with pytest.raises(ValueError, match=r"d\.parquet: row 2: missing field 'prompt'"):
+        load_records(path, char_tokenizer())
+    _, stats = load_records(path, char_tokenizer(), on_error="skip")
+    assert stats == LoadStats(loaded=2, skipped_malformed=1, dropped_too_long=0)
+
+
+def test_bad_arguments_give_clear_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no file"):
+        load_records(tmp_path / "absent.jsonl", char_tokenizer())
+    (tmp_path / "d.csv").write_text("prompt,answer\n")
+    with pytest.raises(ValueError, match="unknown format"):
+        load_records(tmp_path / "d.csv", char_tokenizer())
+    path = write_jsonl(tmp_path / "d.jsonl", GOOD)
+    with pytest.raises(ValueError, match="on_error"):
+        load_records(path, char_tokenizer(), on_error="ignore")
+    with pytest.raises(ValueError, match="max_prompt_tokens"):
+        load_records(path, char_tokenizer(), max_prompt_tokens=0)
+
+
+def _records(n):
+    return [{"prompt": f"problem {i}", "answer": str(i), "prompt_ids": [i]} for i in range(n)]
+
+
+def test_split_is_seeded_and_independent_of_file_order():
+    records = _records(200)
+    train, held_out = train_eval_split(records, eval_fraction=0.1, seed=3)
+    assert len(held_out) == 20 and len(train) == 180
+    assert held_out == [r for r in records if r in held_out]  # input order kept
+    shuffled = records[:]
+    random.Random(0).shuffle(shuffled)
+    _, held_out_shuffled = train_eval_split(shuffled, eval_fraction=0.1, seed=3)
+    assert sorted(r["prompt"] for r in held_out_shuffled) == sorted(r["prompt"] for r in held_out)
+    _, other_seed = train_eval_split(records, eval_fraction=0.1, seed=4)
+    assert other_seed != held_out
+
+
+def test_split_keeps_duplicates_on_one_side_and_checks_fraction():
+    records = _records(50)
+    records = records + [dict(r) for r in records[:25]]  # half the prompts appear twice
+    train, held_out = train_eval_split(records, eval_fraction=0.2, seed=0)
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in held_out}
+    assert len(train) + len(held_out) == len(records)
+    assert train_eval_split(records, eval_fraction=0.0)[1] == []
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="eval_fraction"):
+            train_eval_split(records, eval_fraction=bad)
