@@ -1,21 +1,33 @@
-"""Distributed plumbing: process groups, FSDP2 sharding, distributed checkpoints.
+"""Distributed plumbing: process groups, FSDP2 sharding, distributed checkpoints, full weights.
 
 One process is the ordinary case: without torchrun's environment nothing is initialised, every
 collective below is the identity, and checkpoints are written by the same
 torch.distributed.checkpoint (DCP) code that writes sharded ones under torchrun.
+
+Full (unsharded) weights leave the trainer in two ways, both streamed one bounded bucket at a
+time so no rank ever holds the whole model (TRL #7131): into the vLLM engine after each update
+(`iter_full_weights`, used by `rollout.VLLMRollout.sync_weights`) and into a Hugging Face
+checkpoint (`export_hf_checkpoint`).
 """
 
 from __future__ import annotations
 
+import copy
+import json
 import os
 import shutil
 import warnings
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 # DCP warns on every save/load in a single process; that is this project's everyday case.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -56,6 +68,51 @@ def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
+def shard_model(
+    model: torch.nn.Module,
+    mixed_precision: bool = False,
+    activation_checkpointing: bool = False,
+    cpu_offload: bool = False,
+) -> torch.nn.Module:
+    """FSDP2: `fully_shard` each decoder layer, then the root (embeddings, final norm, head).
+
+    Works for the actor (`Qwen2ForCausalLM`) and the critic (`AutoModelForTokenClassification`):
+    the decoder layers are the classes the model lists in `_no_split_modules`.
+    Gradients are SUMMED over ranks, not averaged: a loss normalised by the global token count
+    (`all_reduce_sum` of the local counts) then gives exactly the single-process gradient.
+    mixed_precision (bf16 compute, fp32 sharded parameters and reduction) and cpu_offload apply
+    on GPU only. Without a process group the model comes back unsharded (only the
+    activation-checkpointing flag is set): world size 1 needs no wrapper.
+    """
+    if activation_checkpointing:
+        # Hugging Face's per-layer checkpointing keeps parameter names as they are; torch's
+        # checkpoint_wrapper would prefix them, and vLLM and exports need Hugging Face names.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if not dist.is_initialized():
+        return model
+    layer_classes = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
+    if not layers:
+        raise ValueError(f"shard_model: no decoder layers found in {type(model).__name__}")
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    options: dict = {"mesh": init_device_mesh(device_type, (dist.get_world_size(),))}
+    if device_type == "cuda":
+        if mixed_precision:
+            options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if cpu_offload:
+            options["offload_policy"] = CPUOffloadPolicy()
+    elif mixed_precision or cpu_offload:
+        warnings.warn("shard_model: mixed_precision and cpu_offload apply on GPU only; ignored on CPU")
+    for layer in layers:
+        fully_shard(layer, **options)
+    fully_shard(model, **options)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
+    return model
+
+
 def save_checkpoint(path: str, models: dict, optimizers: dict, extra: dict) -> None:
     """Models + optimizers (sharded or not) + plain extras (step, RNG, config) into `path`.
 
@@ -91,6 +148,98 @@ def load_checkpoint(path: str, models: dict, optimizers: dict) -> dict:
             optim_state_dict=state[name]["optim"],
         )
     return torch.load(os.path.join(path, "extra.pt"), weights_only=False)
+
+
+def iter_full_weights(
+    model: torch.nn.Module, bucket_bytes: int = 1 << 30, dtype: torch.dtype | None = None
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Full weights under their Hugging Face names, one bucket of about `bucket_bytes` at a time.
+
+    Sharded tensors are gathered one by one (`full_tensor()`, a collective: every rank must
+    iterate to the end); a bucket is released when the caller moves on, so the peak is one bucket
+    plus one tensor. Unsharded models yield their own tensors (detached, no copy unless `dtype`).
+    """
+    state = model.state_dict()
+    for names in _bucket_plan(model, state, bucket_bytes, dtype):
+        bucket = []
+        for name in names:
+            tensor = state[name]
+            if isinstance(tensor, DTensor):
+                if tensor.device.type != tensor.device_mesh.device_type:  # CPU-offloaded shard
+                    tensor = tensor.to(tensor.device_mesh.device_type)
+                tensor = tensor.full_tensor()
+            tensor = tensor.detach()
+            bucket.append((name, tensor if dtype is None else tensor.to(dtype)))
+        yield bucket
+
+
+def export_hf_checkpoint(
+    model: torch.nn.Module,
+    tokenizer,
+    path: str,
+    shard_bytes: int = 4 << 30,
+    dtype: torch.dtype | None = None,
+) -> None:
+    """A Hugging Face checkpoint (config, safetensors shards + index, tokenizer) in `path`.
+
+    Collective under torchrun. Rank 0 writes each shard as soon as its tensors are gathered, so
+    memory stays at one shard. Tied weights are written once, as `save_pretrained` does. Written
+    to `path.tmp` and renamed, so a stale shard of an earlier export never survives.
+    """
+    state = model.state_dict()
+    plan = _bucket_plan(model, state, shard_bytes, dtype)
+    files = (
+        ["model.safetensors"]
+        if len(plan) == 1
+        else [f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))]
+    )
+    tmp, is_main = path + ".tmp", _rank() == 0
+    if is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        config = copy.deepcopy(model.config)
+        config.dtype = dtype or next(iter(state.values())).dtype
+        config.save_pretrained(tmp)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+    weight_map, total = {}, 0
+    for file, bucket in zip(files, iter_full_weights(model, shard_bytes, dtype)):
+        if is_main:
+            tensors = {name: t.cpu().contiguous() for name, t in bucket}
+            save_file(tensors, os.path.join(tmp, file), metadata={"format": "pt"})
+            weight_map.update({name: file for name in tensors})
+            total += sum(t.numel() * t.element_size() for t in tensors.values())
+        del bucket
+    if is_main:
+        if len(files) > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+                json.dump(index, f, indent=2)
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
+    _barrier()
+
+
+def _bucket_plan(model, state: dict, bucket_bytes: int, dtype) -> list[list[str]]:
+    """State-dict names grouped into buckets from their global shapes (no communication).
+
+    Each tensor appears once: a tied head (lm_head = embedding) is skipped under its second name,
+    and non-persistent buffers (rotary tables) are not in the state dict at all.
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    own = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
+    plan, bucket, size = [], [], 0
+    for name, tensor in state.items():
+        if name not in own:
+            continue
+        bucket.append(name)
+        size += tensor.numel() * (dtype or tensor.dtype).itemsize
+        if size >= bucket_bytes:
+            plan, bucket, size = plan + [bucket], [], 0
+    return plan + [bucket] if bucket else plan
 
 
 def _rank() -> int:

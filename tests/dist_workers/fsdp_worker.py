@@ -1,0 +1,140 @@
+"""torchrun worker for tests/test_distributed.py (2 CPU ranks, gloo).
+
+1. One FSDP2 step (activation checkpointing on) on half the global batch per rank against one
+   unsharded process on the whole batch: loss and updated weights, actor and critic.
+2. A sharded checkpoint written on both ranks resumes to the same weights and optimizer state,
+   and the next step from it matches the next step of the run that wrote it.
+3. `export_hf_checkpoint` of the sharded actor loads in Hugging Face as the same weights.
+Each rank writes rank<r>.json into argv[1]; the test asserts on the numbers.
+"""
+
+import os
+import sys
+
+import torch
+from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM
+
+from common import tiny_actor, write_result
+from critic import load_value_model
+from fsdp_utils import (all_reduce_sum, export_hf_checkpoint, init_distributed, iter_full_weights,
+                        load_checkpoint, save_checkpoint, shard_model)
+
+out_dir = sys.argv[1]
+torch.set_num_threads(1)
+info = init_distributed()
+tokenizer, _ = tiny_actor()
+g = torch.Generator().manual_seed(1)
+lengths = torch.tensor([9, 5, 12, 7])  # one global batch of 4 sequences, right-padded
+ids = torch.randint(3, len(tokenizer), (4, 12), generator=g)
+mask = (torch.arange(12) < lengths[:, None]).long()
+targets = torch.randn(4, 12, generator=g)
+sft_path = os.path.join(out_dir, "sft")
+if info.is_main:
+    tiny_actor(seed=0)[1].save_pretrained(sft_path)
+torch.distributed.barrier()
+
+
+def actor():
+    return tiny_actor(seed=0)[1]
+
+
+def critic():
+    """The critic as train.py builds it: `load_value_model` on the actor's checkpoint, seeded head."""
+    torch.manual_seed(0)
+    return load_value_model(sft_path)
+
+
+def loss_sum(model, rows):
+    """Summed per-token loss: LM cross-entropy for the actor, squared error for the critic."""
+    out = model(input_ids=ids[rows], attention_mask=mask[rows]).logits
+    m = mask[rows, 1:].float()
+    if out.shape[-1] == 1:
+        return (((out.squeeze(-1)[:, :-1] - targets[rows, 1:]) ** 2) * m).sum()
+    nll = torch.nn.functional.cross_entropy(out[:, :-1].transpose(1, 2), ids[rows, 1:], reduction="none")
+    return (nll * m).sum()
+
+
+def step(model, opt, rows, sharded=True):
+    """One update with the loss normalised by the GLOBAL token count (FSDP sums the gradients)."""
+    count = mask[rows, 1:].sum().float()
+    if sharded:
+        all_reduce_sum(count)
+    loss = loss_sum(model, rows) / count
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    loss = loss.detach()
+    return (all_reduce_sum(loss) if sharded else loss).item()
+
+
+def full_grads(model):
+    return {
+        name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        for name, p in model.named_parameters()
+    }
+
+
+def full_state(model):
+    return {name: t.clone() for bucket in iter_full_weights(model, 1 << 16) for name, t in bucket}
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() <= b.keys(), sorted(set(a) - set(b))
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def optimizer(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6, weight_decay=0.1)
+
+
+mine = list(range(info.rank, 4, info.world_size))  # rows 0, 2 on rank 0; rows 1, 3 on rank 1
+result = {}
+for name, build in (("actor", actor), ("critic", critic)):
+    single = build()
+    single_opt = optimizer(single)
+    single_loss = step(single, single_opt, [0, 1, 2, 3], sharded=False)
+    sharded = shard_model(build(), activation_checkpointing=True)
+    sharded_opt = optimizer(sharded)
+    sharded_loss = step(sharded, sharded_opt, mine)
+    result[name] = {
+        "single_loss": single_loss,
+        "sharded_loss": sharded_loss,
+        "grad_max_diff": max_diff(full_grads(sharded), full_grads(single)),
+        "grad_max_abs": max(g.abs().max().item() for g in full_grads(single).values()),
+        "weight_max_diff": max_diff(full_state(sharded), single.state_dict()),
+        "weight_change": max_diff(full_state(sharded), build().state_dict()),
+    }
+
+# 2. Sharded checkpoint -> fresh sharded model and optimizer -> identical state and next step.
+ckpt = os.path.join(out_dir, "checkpoint")
+model = shard_model(actor())
+opt = optimizer(model)
+step(model, opt, mine)
+save_checkpoint(ckpt, {"actor": model}, {"actor": opt}, {"step": 1})
+resumed = shard_model(actor())
+resumed_opt = optimizer(resumed)
+extra = load_checkpoint(ckpt, {"actor": resumed}, {"actor": resumed_opt})
+exp_avg = lambda o: [o.state[p]["exp_avg_sq"].to_local() for p in o.param_groups[0]["params"]]
+result["resume"] = {
+    "extra_step": extra["step"],
+    "weight_max_diff": max_diff(full_state(resumed), full_state(model)),
+    "exp_avg_sq_max_diff": max((a - b).abs().max().item() for a, b in zip(exp_avg(opt), exp_avg(resumed_opt))),
+    "optimizer_steps": [float(resumed_opt.state[p]["step"]) for p in resumed_opt.param_groups[0]["params"]][:1],
+}
+step(model, opt, mine)
+step(resumed, resumed_opt, mine)
+result["resume"]["next_step_max_diff"] = max_diff(full_state(resumed), full_state(model))
+
+# 3. Export the sharded actor as a Hugging Face checkpoint (several shard files).
+export = os.path.join(out_dir, "hf_export")
+expected = full_state(model)
+export_hf_checkpoint(model, tokenizer, export, shard_bytes=1 << 20)
+if info.is_main:
+    loaded = AutoModelForCausalLM.from_pretrained(export)
+    result["export"] = {
+        "files": sorted(os.listdir(export)),
+        "weight_max_diff": max_diff(expected, loaded.state_dict()),
+        "tied": loaded.lm_head.weight is loaded.model.embed_tokens.weight,
+    }
+write_result(out_dir, info.rank, result)

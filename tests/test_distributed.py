@@ -1,0 +1,87 @@
+"""FSDP2 under torchrun (2 CPU ranks, gloo) against one process; sharded checkpoints; HF export.
+
+The worker (tests/dist_workers/fsdp_worker.py) runs once per session and writes numbers; each
+test checks one property of them. Single-process behaviour of the same helpers is checked here too.
+"""
+
+import os
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from dist_workers.common import run_torchrun, tiny_actor
+from fsdp_utils import export_hf_checkpoint, iter_full_weights, shard_model
+
+# fp32 on CPU: the sharded step reorders sums (reduce-scatter), nothing else differs.
+LOSS_RTOL, GRAD_ATOL = 1e-6, 1e-6
+# One AdamW step moves weights by ~lr = 1e-3; its first step divides by |grad| + eps, so a 1e-7
+# gradient difference can show as ~1e-6 in the weights: 1e-5 is 1% of the step.
+WEIGHT_ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory):
+    return run_torchrun("fsdp_worker.py", str(tmp_path_factory.mktemp("fsdp")))[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["actor", "critic"])
+def test_fsdp_step_on_two_ranks_matches_one_process(fsdp_run, model):
+    r = fsdp_run[model]
+    assert r["sharded_loss"] == pytest.approx(r["single_loss"], rel=LOSS_RTOL)
+    assert r["grad_max_diff"] <= GRAD_ATOL  # gradients are summed, not averaged, over ranks
+    assert r["weight_max_diff"] <= WEIGHT_ATOL
+    assert r["weight_change"] > 100 * WEIGHT_ATOL  # the step did move the weights
+
+
+@pytest.mark.slow
+def test_sharded_checkpoint_resumes_to_identical_weights_and_optimizer_state(fsdp_run):
+    r = fsdp_run["resume"]
+    assert r["extra_step"] == 1 and r["optimizer_steps"] == [1.0]
+    assert r["weight_max_diff"] == 0.0 and r["exp_avg_sq_max_diff"] == 0.0
+    assert r["next_step_max_diff"] == 0.0  # and the run continues exactly as if never stopped
+
+
+@pytest.mark.slow
+def test_export_from_sharded_model_loads_as_same_hf_weights(fsdp_run):
+    r = fsdp_run["export"]
+    assert r["weight_max_diff"] == 0.0 and r["tied"]
+    assert "model.safetensors.index.json" in r["files"] and "tokenizer.json" in r["files"]
+
+
+def test_shard_model_without_process_group_returns_the_model_itself():
+    _, model = tiny_actor()
+    assert shard_model(model, mixed_precision=True, cpu_offload=True) is model
+    assert all(type(p) is torch.nn.Parameter for p in model.parameters())
+
+
+def test_iter_full_weights_buckets_are_bounded_and_cover_each_tensor_once():
+    _, model = tiny_actor()
+    bucket_bytes = 100_000
+    buckets = list(iter_full_weights(model, bucket_bytes))
+    names = [name for bucket in buckets for name, _ in bucket]
+    assert len(names) == len(set(names))
+    assert "lm_head.weight" not in names  # tied to the embedding: sent once
+    assert set(names) == {n for n, _ in model.named_parameters()}
+    for bucket in buckets:  # a bucket closes as soon as it reaches the bound
+        sizes = [t.numel() * t.element_size() for _, t in bucket]
+        assert sum(sizes[:-1]) < bucket_bytes
+    assert all(t.dtype == torch.bfloat16 for _, t in next(iter_full_weights(model, bucket_bytes, torch.bfloat16)))
+
+
+def test_export_hf_checkpoint_single_process_round_trips(tmp_path):
+    tokenizer, model = tiny_actor()
+    export_hf_checkpoint(model, tokenizer, str(tmp_path / "hf"))
+    export_hf_checkpoint(model, tokenizer, str(tmp_path / "hf"), shard_bytes=1 << 20)  # overwrite
+    files = os.listdir(tmp_path / "hf")
+    assert "model.safetensors" not in files  # the first export's single file did not survive
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+
+
+def test_bucket_size_must_be_positive():
+    _, model = tiny_actor()
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        next(iter_full_weights(model, 0))
