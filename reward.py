@@ -202,6 +202,10 @@ class Grader:
             raise ValueError("grade: this Grader is closed")
         rewards = [-1.0] * len(responses)
         todo: deque = deque()
+        for w in list(self.workers):
+            if w.pending:  # left by an interrupted call: its answers must not land in this one
+                w.pending.clear()
+                self._replace(w, todo, rewards)
         missing = 0
         for i, (response, ground_truth) in enumerate(zip(responses, answers)):
             answer = last_boxed(str(response))
@@ -218,10 +222,16 @@ class Grader:
         chunk = max(1, min(self.max_chunk, math.ceil(len(todo) / (4 * len(self.workers)))))
         timeouts = 0
         while todo or any(w.pending for w in self.workers):
-            for w in self.workers:
+            for w in list(self.workers):
                 if w.ready and not w.pending and todo:
-                    w.pending.extend(todo.popleft() for _ in range(min(chunk, len(todo))))
-                    w.conn.send(list(w.pending))
+                    items = [todo.popleft() for _ in range(min(chunk, len(todo)))]
+                    try:
+                        w.conn.send(items)
+                    except OSError:  # died while idle: nothing of this chunk was lost
+                        todo.extendleft(reversed(items))
+                        self._replace(w, todo, rewards)
+                        continue
+                    w.pending.extend(items)
                     w.deadline = time.monotonic() + self.timeout_s
             busy = [w.deadline for w in self.workers if w.pending]
             wait_s = max(0.0, min(busy) - time.monotonic()) if busy else None
