@@ -1,0 +1,213 @@
+"""Generalised advantage estimation and decoupled GAE (paper §3.3, Eq. 5-8).
+
+Eq. (5)  delta_t = r_t + gamma V(s_{t+1}) - V(s_t)           V(s_L) = 0 after the last token
+Eq. (6)  A_t     = sum_{l=0}^{L-t-1} (gamma lam)^l delta_{t+l}
+Eq. (7)  R_t     = A_t + V(s_t)                               (critic target)
+Eq. (8)  A_t     = (1-lam) sum_{h=1}^{L-t-1} lam^(h-1) G_{t:t+h} + lam^(L-t-1) G_{t:L} - V(s_t)
+Decoupled GAE (VC-PPO): the same rewards and values give the actor's advantages with
+lam_actor < 1 and the critic's targets with lam_critic = 1, whose targets then carry the
+undecayed outcome reward.
+
+Also here: VAPO's length-adaptive lambda and GRPO's group-normalised outcome advantage (the
+paper's main baseline). Tensor conventions are DESIGN.md's: [B, T], right-padded, mask = 1 on
+every generated token, outputs exactly 0 on padding.
+
+`gae_reference` and `eq8_advantages` are plain loops that read like the equations. The fast
+path computes R_t of Eq. (7) as the recursive lambda-return (Eq. 6 summed by parts)
+    R_t = r_t + gamma (1 - lam) V(s_{t+1}) + gamma lam R_{t+1},     A_t = R_t - V(s_t),
+which is the same number without the deltas' telescoping cancellation (at lam = 1 it is the
+plain reward sum, so float32 error does not grow with T), and evaluates the recursion with a
+chunked scan of matrix products: no Python loop over tokens.
+"""
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from ppo import check_masked_inputs
+
+# Tokens per chunk of the scan: the work is B*T*CHUNK multiply-adds (dense triangular matrices)
+# over log_CHUNK(T) levels of recursion. 16 was fastest at T = 8k-32k on this project's 2-core CPU
+# (bench/gae_bench.py); a GPU would take a larger one.
+CHUNK = 16
+
+
+# --- public API --------------------------------------------------------------------------------
+
+
+def compute_gae(rewards, values, mask, gamma=1.0, lam=0.95):
+    """GAE, Eq. (5)-(7). lam is a float or a float tensor [B] (one lambda per response).
+    Returns (advantages, returns), both [B, T] and 0 on padding."""
+    mask = _check(rewards, values, mask, gamma)
+    ret = _lambda_return(rewards, values, mask, gamma, _lam(lam, mask.shape[0], "lam"))
+    return torch.addcmul(ret, values, mask, value=-1), ret
+
+
+def decoupled_gae(rewards, values, mask, gamma=1.0, lam_actor=0.95, lam_critic=1.0):
+    """Decoupled GAE (§3.3): advantages A(lam_actor), critic targets R = A(lam_critic) + V.
+    lam_actor/lam_critic: float or float tensor [B]. Returns (advantages, returns), 0 on padding."""
+    mask = _check(rewards, values, mask, gamma)
+    batch = mask.shape[0]
+    adv = _lambda_return(rewards, values, mask, gamma, _lam(lam_actor, batch, "lam_actor"))
+    adv.addcmul_(values, mask, value=-1)  # A = R(lam_actor) - V(s_t), in place
+    ret = _lambda_return(rewards, values, mask, gamma, _lam(lam_critic, batch, "lam_critic"))
+    return adv, ret
+
+
+def length_adaptive_lambda(lengths, alpha=0.05):
+    """VAPO's per-response lambda = 1 - 1/(alpha l), clamped to [0, 1] (short responses get 0)."""
+    lengths = torch.as_tensor(lengths)
+    if lengths.dim() != 1 or (lengths.numel() and lengths.min() < 0):
+        raise ValueError(f"lengths must be a 1-D tensor of non-negative lengths, got {lengths}")
+    if not alpha > 0:
+        raise ValueError(f"alpha must be > 0, got {alpha}")
+    return (1 - 1 / (alpha * lengths.float())).clamp(0.0, 1.0)
+
+
+def grpo_advantages(scores, mask, group_size, eps=1e-6):
+    """GRPO outcome advantage: (r - mean_group) / (std_group + eps), broadcast on valid tokens.
+    Consecutive rows in groups of group_size share a prompt; std is Bessel-corrected."""
+    if not isinstance(scores, torch.Tensor) or scores.dim() != 1:
+        raise ValueError(f"scores must be a 1-D tensor [B], got {getattr(scores, 'shape', scores)}")
+    check_masked_inputs(mask, right_padded=True)
+    if not torch.isfinite(scores).all():
+        raise ValueError("scores contains NaN or inf")
+    if group_size < 2 or scores.shape[0] % group_size or mask.shape[0] != scores.shape[0]:
+        raise ValueError(
+            f"need group_size >= 2 dividing B; got group_size={group_size}, "
+            f"scores {tuple(scores.shape)}, mask {tuple(mask.shape)}"
+        )
+    groups = scores.float().view(-1, group_size)
+    adv = (groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + eps)
+    return adv.view(-1, 1) * mask.float()
+
+
+# --- readable references (tests and readers) ---------------------------------------------------
+
+
+def gae_reference(rewards, values, mask, gamma=1.0, lam=0.95):
+    """Eq. (5)-(7) as the textbook right-to-left loop over tokens (slow; for tests and readers).
+    Computes in the input dtype; lam may be a float or a tensor [B]."""
+    check_masked_inputs(mask, right_padded=True, rewards=rewards, values=values)
+    mask = mask.to(values.dtype)
+    lam = torch.as_tensor(lam, dtype=values.dtype, device=values.device)
+    batch, length = rewards.shape
+    advantages = torch.zeros_like(values)
+    next_adv = torch.zeros(batch, dtype=values.dtype, device=values.device)
+    for t in reversed(range(length)):
+        # V(s_{t+1}) = 0 after the last token: padding values must not leak in (verl PR #50).
+        next_value = values[:, t + 1] * mask[:, t + 1] if t + 1 < length else 0.0
+        delta = rewards[:, t] + gamma * next_value - values[:, t]  # Eq. (5)
+        next_adv = (delta + gamma * lam * next_adv) * mask[:, t]  # Eq. (6), recursively
+        advantages[:, t] = next_adv
+    return advantages, (advantages + values) * mask  # Eq. (7)
+
+
+def eq8_advantages(rewards, values, mask, gamma=1.0, lam=0.95):
+    """A_t through Eq. (8): a lam-weighted mix of n-step returns minus V(s_t). Equal to GAE for
+    any values, which is what the identity says. O(B L^2) Python loop: small inputs only."""
+    check_masked_inputs(mask, right_padded=True, rewards=rewards, values=values)
+    lams = torch.as_tensor(lam, dtype=torch.float64).expand(rewards.shape[0]).tolist()
+    out = torch.zeros_like(values)
+    for b, length in enumerate(mask.sum(1).long().tolist()):
+        r, v, lam_b = rewards[b, :length].tolist(), values[b, :length].tolist(), lams[b]
+        for t in range(length):
+            n = length - t  # steps left; G_{t:t+n} = G_{t:L} is the full return
+            mix = sum((1 - lam_b) * lam_b ** (h - 1) * nstep_return(r, v, t, h, gamma) for h in range(1, n))
+            out[b, t] = mix + lam_b ** (n - 1) * nstep_return(r, v, t, n, gamma) - v[t]
+    return out
+
+
+def nstep_return(rewards, values, t, h, gamma=1.0):
+    """G_{t:t+h} = sum_{l<h} gamma^l r_{t+l} + gamma^h V(s_{t+h}) for one response (lists or 1-D
+    tensors of its valid tokens); V(s_L) = 0 past the end."""
+    bootstrap = values[t + h] if t + h < len(values) else 0.0
+    return sum(gamma**l * rewards[t + l] for l in range(h)) + gamma**h * bootstrap
+
+
+# --- the fast scan -----------------------------------------------------------------------------
+
+
+def _check(rewards, values, mask, gamma):
+    """Validate the inputs; return the mask in the values' dtype."""
+    check_masked_inputs(mask, right_padded=True, rewards=rewards, values=values)
+    if not 0 <= gamma <= 1:
+        raise ValueError(f"gamma must be in [0, 1], got {gamma}")
+    return mask.to(values.dtype)
+
+
+def _lam(lam, batch, name):
+    """Validated lambda: a Python float, or a float64 [B] tensor for per-response lambdas."""
+    if isinstance(lam, torch.Tensor):
+        if lam.shape != (batch,) or not lam.is_floating_point():
+            raise ValueError(f"{name} tensor must be float with shape [{batch}], got {lam.dtype} {tuple(lam.shape)}")
+        if not ((lam >= 0) & (lam <= 1)).all():  # also catches NaN
+            raise ValueError(f"{name} must lie in [0, 1]")
+        return lam.detach().double()
+    if not 0 <= lam <= 1:
+        raise ValueError(f"{name} must be in [0, 1], got {lam}")
+    return float(lam)
+
+
+def _lambda_return(rewards, values, mask, gamma, lam):
+    """R_t = x_t + gamma lam R_{t+1} with x_t = r_t + gamma (1 - lam) V(s_{t+1}) on valid tokens
+    and 0 on padding; V(s_{t+1}) is read only where token t+1 is valid, so padding values never
+    leak in (verl PR #50). Each [B, T] buffer is written in place: at long-CoT sizes fresh
+    buffers cost more than the arithmetic."""
+    x = rewards * mask
+    bootstrap = gamma * (1 - lam)
+    if isinstance(bootstrap, torch.Tensor):
+        x[:, :-1].addcmul_(values[:, 1:] * bootstrap.to(x).unsqueeze(1), mask[:, 1:])
+    elif bootstrap != 0:
+        x[:, :-1].addcmul_(values[:, 1:], mask[:, 1:], value=bootstrap)
+    return _reverse_discounted_sum(x, gamma * lam)
+
+
+def _scan_matrices(decay, size, like):
+    """powers [size+1] (or [B, size+1]) with powers[k] = decay^k, and the chunk matrix
+    tri[j, i] = decay^(j-i) for j >= i, else 0 ([size, size] or [B, size, size]).
+
+    Powers come from float64 pow (0^0 = 1, no cumprod error growth), rounded once to like's
+    dtype. Subnormal results are flushed to 0: they are below the resolution of any float32 sum
+    they enter, and subnormals slow CPU matrix products down by orders of magnitude."""
+    if not isinstance(decay, torch.Tensor):
+        return _cached_scan_matrices(decay, size, like.dtype, like.device)
+    k = torch.arange(size + 1, dtype=torch.float64, device=like.device)
+    powers = torch.pow(decay.to(like.device, torch.float64).unsqueeze(-1), k).to(like.dtype)
+    powers = torch.where(powers < torch.finfo(like.dtype).tiny, torch.zeros_like(powers), powers)
+    j = torch.arange(size, device=like.device)
+    offset = j[:, None] - j[None, :]  # j - i
+    return powers, powers[..., offset.clamp(min=0)] * (offset >= 0)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_scan_matrices(decay, size, dtype, device):
+    # A scalar decay gives the same small matrices on every call; building them costs more than
+    # using them at the upper levels of the scan.
+    return _scan_matrices(torch.tensor(decay, dtype=torch.float64), size, torch.empty(0, dtype=dtype, device=device))
+
+
+def _reverse_discounted_sum(x, decay):
+    """y_t = sum_{j>=t} decay^(j-t) x_j along dim 1 (Eq. 6 with decay = gamma lam), y = 0 past T.
+
+    Chunked scan: split T into chunks of C; inside a chunk y = x @ M with M[j, i] = decay^(j-i)
+    for j >= i (one batched matrix product for all chunks). Each chunk then needs the full y at
+    the first token of the next chunk, y_next, added as decay^(C-i) y_next. Those chunk heads obey
+    the same recursion one level up (a_k = local_k + decay^C a_{k+1}), so they come from this
+    function on [B, T/C] with decay^C: depth log_C(T), no loop over tokens or chunks."""
+    batch, length = x.shape
+    n_chunks = -(-length // CHUNK)
+    size = CHUNK if n_chunks > 1 else length  # one short chunk when T <= CHUNK
+    if length == 0:
+        return x.clone()
+    powers, tri = _scan_matrices(decay, size, x)
+    pad = n_chunks * size - length
+    chunks = (F.pad(x, (0, pad)) if pad else x).view(batch, n_chunks, size)
+    local = chunks @ tri  # [B, n_chunks, size]: sums within each chunk
+    if n_chunks > 1:
+        heads = _reverse_discounted_sum(local[:, :, 0], decay**size)  # full y at each chunk start
+        carry = F.pad(heads[:, 1:], (0, 1))  # y at the start of the next chunk; 0 after the last
+        tail = powers[..., 1:].flip(-1)  # decay^(size - i), i = 0..size-1
+        local.addcmul_(carry.unsqueeze(-1), tail.unsqueeze(-2))
+    return local.view(batch, -1)[:, :length].contiguous() if pad else local.view(batch, length)
