@@ -1,0 +1,95 @@
+"""The rollout layout (DESIGN.md tensor conventions) and the critic's reading positions."""
+
+import pytest
+import torch
+
+import task
+from critic import assert_finite, load_value_model, response_values, value_outputs
+from ppo import response_logprobs
+from rollout import HFRollout, decode_responses, left_pad
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    tokenizer = task.build_tokenizer()
+    model = task.make_tiny_model(tokenizer, num_layers=2, intermediate_size=256, seed=0)
+    path = tmp_path_factory.mktemp("policy")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return model, tokenizer, str(path)
+
+
+def prompts(tokenizer):
+    texts = ["+21=\n", "+73+58+21+49+11=\n", "+10+10=\n"]  # different lengths: left padding matters
+    return [tokenizer(t)["input_ids"] for t in texts]
+
+
+def test_left_pad_puts_padding_first_and_rejects_empty_prompts():
+    ids, mask = left_pad([[5, 6], [7]], pad_id=0)
+    assert ids.tolist() == [[5, 6], [0, 7]] and mask.tolist() == [[1, 1], [0, 1]]
+    with pytest.raises(ValueError, match="prompt_ids"):
+        left_pad([[5], []], pad_id=0)
+
+
+def test_sampling_logprobs_equal_recomputed_logprobs_at_the_rollout_temperature(policy):
+    model, tokenizer, _ = policy
+    engine = HFRollout(model, tokenizer)
+    batch = engine.generate(prompts(tokenizer), max_new_tokens=24, temperature=0.7, seed=3)
+    with torch.no_grad():
+        logits = batch.response_slice(model(**batch.model_inputs()).logits)
+    recomputed = response_logprobs(logits, batch.response_ids, temperature=0.7) * batch.response_mask
+    assert torch.allclose(recomputed, batch.logprobs, atol=1e-5)
+
+
+def test_mask_covers_tokens_up_to_and_including_eos_and_padding_is_zero(policy):
+    model, tokenizer, _ = policy
+    batch = HFRollout(model, tokenizer).generate(prompts(tokenizer), max_new_tokens=40, seed=1)
+    eos = tokenizer.eos_token_id
+    for row, length, reason in zip(batch.response_ids, batch.lengths, batch.finish_reasons):
+        ends_with_eos = row[length - 1].item() == eos
+        assert reason == ("stop" if ends_with_eos else "length")
+        assert (row[:length - 1] != eos).all()  # no EOS before the last token
+        assert (row[length:] == tokenizer.pad_token_id).all()
+    assert (batch.logprobs[batch.response_mask == 0] == 0).all()
+    assert len(decode_responses(tokenizer, batch)) == len(batch)
+
+
+def test_same_seed_gives_the_same_rollout_and_leaves_global_rng_alone(policy):
+    model, tokenizer, _ = policy
+    engine = HFRollout(model, tokenizer)
+    state = torch.get_rng_state()
+    a = engine.generate(prompts(tokenizer), max_new_tokens=16, seed=7)
+    b = engine.generate(prompts(tokenizer), max_new_tokens=16, seed=7)
+    assert torch.equal(a.response_ids, b.response_ids)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_critic_reads_value_of_s_t_at_the_position_before_token_t(policy):
+    model, tokenizer, path = policy
+    batch = HFRollout(model, tokenizer).generate(prompts(tokenizer), max_new_tokens=12, seed=0)
+    critic = load_value_model(path)
+    values = response_values(critic, batch)
+    full = value_outputs(critic, **batch.model_inputs())
+    P = batch.prompt_ids.shape[1]
+    for b in range(len(batch)):
+        for t in range(int(batch.lengths[b])):
+            assert values[b, t] == full[b, P + t - 1]  # V(s_t): prompt plus tokens < t
+    assert (values[batch.response_mask == 0] == 0).all()
+
+
+def test_critic_from_sft_gets_a_fresh_small_head_and_round_trips(policy, tmp_path):
+    _, tokenizer, path = policy
+    critic = load_value_model(path, head_init_std=0.01)
+    assert critic.score.bias.abs().max() == 0 and critic.score.weight.std() < 0.02
+    critic.save_pretrained(tmp_path)
+    again = load_value_model(str(tmp_path))  # a saved value model keeps its head
+    assert torch.equal(again.score.weight, critic.score.weight)
+
+
+def test_assert_finite_names_the_bad_parameter(policy):
+    _, _, path = policy
+    critic = load_value_model(path)
+    with torch.no_grad():
+        critic.score.weight[0, 0] = float("nan")
+    with pytest.raises(FloatingPointError, match="score.weight"):
+        assert_finite(critic, "critic")

@@ -1,0 +1,95 @@
+"""Value pretraining (paper §3.2, Algorithm 1 lines 1-4).
+
+Freeze the policy at pi_SFT, sample responses from it, compute critic targets with GAE at
+lambda = 1.0 (the Monte-Carlo return: with one terminal reward every token's target is the final
++-1), and regress the critic on them. The paper reports a fast "range alignment" phase, then a slower
+"knowledge injection" phase, and finds ~100 steps best (overfitting beyond ~150).
+
+Convergence (documented criterion): every step logs value loss and explained variance; pretraining
+stops at `value_pretrain_steps`, or earlier once both plateau: over two consecutive windows of
+`plateau_window` steps, the mean value loss falls by less than `plateau_rel_tol` (relative) and the
+mean explained variance rises by less than `plateau_ev_tol` (absolute).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from tqdm import tqdm
+
+from critic import assert_finite, response_values
+from data import sample_prompts
+from gae import compute_gae
+from ppo import explained_variance, update_model, value_loss
+from reward import score_rollout
+from rollout import decode_responses
+
+
+def plateaued(history: list[dict], window: int, rel_tol: float, ev_tol: float) -> bool:
+    """True when value loss and explained variance stopped improving (module docstring)."""
+    if len(history) < 2 * window:
+        return False
+    prev, last = history[-2 * window : -window], history[-window:]
+
+    def mean(rows, key):
+        return sum(r[key] for r in rows) / len(rows)
+
+    loss_prev, loss_last = mean(prev, "value_loss"), mean(last, "value_loss")
+    ev_prev, ev_last = mean(prev, "explained_variance"), mean(last, "explained_variance")
+    return loss_prev - loss_last < rel_tol * loss_prev and ev_last - ev_prev < ev_tol
+
+
+def pretrain_value(cfg, critic, critic_optimizer, engine, tokenizer, records, grader, out_dir: str):
+    """Train `critic` against the frozen policy behind `engine`; save it and its curve to `out_dir`.
+
+    Returns the per-step history (value_loss, explained_variance, reward_mean, ...).
+    """
+    os.makedirs(out_dir, exist_ok=True)
+    history: list[dict] = []
+    bar = tqdm(range(cfg.value_pretrain_steps), desc="value pretraining", dynamic_ncols=True)
+    for step in bar:
+        prompts = sample_prompts(records, cfg, step, stream="value_pretrain")
+        batch = engine.generate(
+            [r["prompt_ids"] for r in prompts],
+            cfg.max_new_tokens,
+            cfg.temperature,
+            cfg.top_p,
+            seed=cfg.seed * 1_000_003 + 500_000 + step,
+        )
+        texts = decode_responses(tokenizer, batch)
+        scores, token_rewards, _ = score_rollout(batch, texts, prompts, grader, cfg)
+        with torch.no_grad():
+            values = response_values(critic, batch)
+        # Critic targets with lambda = 1: the Monte-Carlo return, no lambda^(T-t) decay (§3.3).
+        _, returns = compute_gae(token_rewards, values, batch.response_mask, cfg.gamma, lam=1.0)
+        rows = {"returns": returns, "old_values": values}
+        metrics = update_model(cfg, critic, critic_optimizer, batch, rows, _critic_loss,
+                               seed=500_000 + step, prefix="critic")
+        assert_finite(critic, "critic")
+        row = {
+            "step": step,
+            "value_loss": metrics["critic/vf_loss"],
+            "explained_variance": explained_variance(values, returns, batch.response_mask).item(),
+            "reward_mean": scores.mean().item(),
+            "response_length": batch.lengths.float().mean().item(),
+        }
+        history.append(row)
+        bar.set_postfix(loss=f"{row['value_loss']:.4f}", ev=f"{row['explained_variance']:.3f}")
+        if plateaued(history, cfg.plateau_window, cfg.plateau_rel_tol, cfg.plateau_ev_tol):
+            tqdm.write(f"value pretraining: converged at step {step} (loss and EV plateaued)")
+            break
+    critic.save_pretrained(os.path.join(out_dir, "critic"))
+    with open(os.path.join(out_dir, "curve.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in history)
+    return history
+
+
+def _critic_loss(critic, micro, rows, normalizer, cfg):
+    values = response_values(critic, micro)
+    # No clipping here: during pretraining the critic should move freely towards the MC return.
+    return value_loss(
+        values, rows["old_values"], rows["returns"], micro.response_mask,
+        clip=None, mode=cfg.loss_agg, normalizer=normalizer,
+    )
