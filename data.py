@@ -154,3 +154,43 @@ def train_eval_split(records: list[dict], eval_fraction: float, seed: int = 0) -
     train = [r for r, k in zip(records, keys) if k not in eval_keys]
     held_out = [r for r, k in zip(records, keys) if k in eval_keys]
     return train, held_out
+
+
+# --- what a run trains and evaluates on ---------------------------------------------------------
+
+
+def prepare_data(cfg, tokenizer) -> tuple[list[dict], list[dict]]:
+    """(train, held-out) records: the user's `--data` file, or the built-in task (`task.py`),
+    whose problems depend only on fixed seeds so that every run sees the same data."""
+    if cfg.data is None:
+        import task
+
+        records = {}
+        for split, n, seed in (("train", cfg.task_train_size, 1), ("eval", cfg.task_eval_size, 2)):
+            problems = task.make_problems(n, seed=seed)
+            records[split] = [{**p, "prompt_ids": encode_prompt(tokenizer, p["prompt"])} for p in problems]
+        return records["train"], records["eval"]
+    records, stats = load_records(cfg.data, tokenizer, cfg.prompt_key, cfg.answer_key,
+                                  cfg.max_prompt_tokens, "skip" if cfg.skip_bad_records else "raise")
+    print(f"data: {stats.loaded} records from {cfg.data} ({stats.skipped_malformed} malformed skipped, "
+          f"{stats.dropped_too_long} over {cfg.max_prompt_tokens} tokens dropped)")
+    if not records:
+        raise ValueError(f"--data {cfg.data}: no usable records")
+    return train_eval_split(records, cfg.eval_fraction, seed=0)
+
+
+def sample_prompts(records: list[dict], cfg, step: int, stream: str) -> list[dict]:
+    """This rank's prompts for one step, each repeated `samples_per_prompt` times side by side.
+
+    A function of (seed, stream, step) only, so a resumed run draws the same prompts. Under
+    torchrun the global batch of `prompts_per_step` prompts is split evenly across ranks.
+    """
+    import torch
+    import torch.distributed as dist
+
+    seed = int(hashlib.sha256(f"{cfg.seed}/{stream}/{step}".encode()).hexdigest()[:15], 16)
+    generator = torch.Generator().manual_seed(seed)
+    picked = torch.randint(len(records), (cfg.prompts_per_step,), generator=generator).tolist()
+    if dist.is_initialized():
+        picked = picked[dist.get_rank() :: dist.get_world_size()]
+    return [records[i] for i in picked for _ in range(cfg.samples_per_prompt)]

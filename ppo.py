@@ -1,7 +1,8 @@
 """PPO losses (paper §2): clipped surrogate, clipped value loss, KL estimators, entropy, metrics.
 
-Every function is a pure function of tensors plus a response mask (conventions in DESIGN.md:
-[B, T] float32, right-padded, mask = 1 on every generated token). No model calls here.
+Every loss is a pure function of tensors plus a response mask (conventions in DESIGN.md:
+[B, T] float32, right-padded, mask = 1 on every generated token). Only `update_model`, at the end,
+touches a model: it runs a loss over mini- and micro-batches (PPO epochs) and steps the optimizer.
 
 Eq. (1), clipped surrogate with clip-higher (VAPO) and optional dual clip (Ye et al., 2020):
     rho_t = pi(a_t|s_t) / pi_old(a_t|s_t)
@@ -15,7 +16,11 @@ whole step, across micro-batches and ranks), so the gradient does not depend on 
 is split (the critic-loss scaling bug of verl PR #6957).
 """
 
+import math
+
 import torch
+
+from fsdp_utils import all_reduce_sum
 
 # exp(log-ratio) overflows float32 near 88; a ratio of e^20 is already meaningless, and the clamp
 # keeps A = 0 tokens from turning into 0 * inf = NaN.
@@ -249,3 +254,45 @@ def explained_variance(values, returns, mask):
     if var_r == 0:
         return torch.tensor(float("nan"), dtype=values.dtype, device=values.device)
     return 1 - masked_var(returns - values, mask, unbiased=False) / var_r
+
+
+# --- one model's PPO epochs ----------------------------------------------------------------------
+
+
+def update_model(cfg, model, optimizer, batch, rows, loss_fn, seed, prefix):
+    """PPO epochs over one rollout batch for one model (actor or critic).
+
+    `cfg.ppo_epochs` passes; each pass is split into `cfg.num_minibatches` optimizer steps; each
+    mini-batch is accumulated over micro-batches of `cfg.micro_batch_size` rows whose losses are
+    normalised by the mini-batch's global token (or sequence) count, summed over ranks, so neither
+    the micro-batch split nor the number of ranks changes the gradient (verl PR #6957).
+    `loss_fn(model, micro_batch, micro_rows, normalizer, cfg) -> (loss, metrics)`; `rows` holds the
+    per-row tensors ([B, T]) the loss needs. Metrics named `*_loss` add up over micro-batches; the
+    others are token means, weighted by each micro-batch's tokens. Returns `<prefix>/<name>` means.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    totals, updates = {}, 0
+    for _ in range(cfg.ppo_epochs):
+        order = torch.randperm(len(batch), generator=generator)
+        for minibatch in order.chunk(cfg.num_minibatches):
+            mask = batch.response_mask[minibatch]
+            local = mask.sum() if cfg.loss_agg == "token-mean" else torch.tensor(float(len(minibatch)))
+            normalizer = all_reduce_sum(local.clone()).item()
+            optimizer.zero_grad(set_to_none=True)
+            for micro_rows in minibatch.split(cfg.micro_batch_size):
+                micro = batch.select(micro_rows)
+                loss, metrics = loss_fn(model, micro, {k: v[micro_rows] for k, v in rows.items()},
+                                        normalizer, cfg)
+                loss.backward()
+                share = (micro.response_mask.sum() / mask.sum().clamp(min=1)).item()
+                for name, value in metrics.items():
+                    weight = 1.0 if name.endswith("_loss") else share
+                    totals[name] = totals.get(name, 0.0) + weight * float(value)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+            if not math.isfinite(grad_norm):
+                raise FloatingPointError(f"{prefix}: gradient norm is {grad_norm}")
+            totals["grad_norm"] = totals.get("grad_norm", 0.0) + grad_norm
+            optimizer.step()
+            updates += 1
+    return {f"{prefix}/{name}": value / updates for name, value in totals.items()}

@@ -344,3 +344,54 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     for i in range(n - c + 1, n + 1):
         fail *= 1.0 - k / i
     return 1.0 - fail
+
+
+# --- rewards of a rollout batch (Algorithm 1: "compute rewards") --------------------------------
+
+
+def score_rollout(batch, texts: list[str], prompts: list[dict], grader: Grader, cfg):
+    """Outcome scores [B], token rewards [B, T] (the score on each response's last token, DESIGN.md)
+    and grader counts. A response cut at max_new_tokens scores `cfg.truncation_reward`."""
+    import torch
+
+    graded = grader.grade(texts, [p["answer"] for p in prompts])
+    scores = torch.tensor(graded.rewards, dtype=torch.float32)
+    truncated = torch.tensor([f == "length" for f in batch.finish_reasons])
+    scores = torch.where(truncated, torch.tensor(float(cfg.truncation_reward)), scores)
+    token_rewards = torch.zeros_like(batch.response_mask)
+    token_rewards[torch.arange(len(batch)), batch.lengths - 1] = scores
+    counts = {"timeouts": graded.num_timeouts, "missing_box": graded.num_missing_box}
+    return scores, token_rewards, counts
+
+
+def prepare_orm(cfg, sft_path: str, engine, tokenizer, records: list[dict], grader: Grader) -> str:
+    """The critic's initial weights: pi_SFT itself (`--critic-init sft`), or an ORM trained on
+    pi_SFT's graded samples (`rm`), cached in <out_dir>/_shared/orm and reused when it exists."""
+    if cfg.critic_init == "sft":
+        return sft_path
+    from tqdm import tqdm
+
+    from critic import load_value_model
+    from data import sample_prompts
+    from rollout import decode_responses
+
+    path = os.path.join(cfg.out_dir, "_shared", "orm" if cfg.model is None else f"orm-{cfg.run_name}")
+    if os.path.exists(path):
+        return path
+    batches, labels = [], []
+    for i in tqdm(range(cfg.orm_batches), desc="ORM data", dynamic_ncols=True, leave=False):
+        prompts = sample_prompts(records, cfg, i, stream="orm")
+        batch = engine.generate([p["prompt_ids"] for p in prompts], cfg.max_new_tokens,
+                                cfg.temperature, cfg.top_p, seed=cfg.seed * 1_000_003 + 700_000 + i)
+        scores, _, _ = score_rollout(batch, decode_responses(tokenizer, batch), prompts, grader, cfg)
+        batches.append(batch)
+        labels.append(scores)
+    model = load_value_model(sft_path)
+    history = train_orm(model, batches, labels, steps=cfg.orm_steps, lr=cfg.orm_lr)
+    model.save_pretrained(path + ".tmp")
+    tokenizer.save_pretrained(path + ".tmp")
+    os.replace(path + ".tmp", path)
+    last = history[-1]
+    tqdm.write(f"ORM: {cfg.orm_steps} steps on {sum(map(len, batches))} graded samples, "
+               f"loss {last['orm/loss']:.3f}, sign accuracy {last['orm/sign_accuracy']:.2f} -> {path}")
+    return path
