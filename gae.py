@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from ppo import check_masked_inputs
 
 # Tokens per chunk of the scan: the work is B*T*CHUNK multiply-adds (dense triangular matrices)
-# over log_CHUNK(T) levels of recursion. 16 was fastest at T = 8k-32k on this project's 2-core CPU
-# (bench/gae_bench.py); a GPU would take a larger one.
+# over log_CHUNK(T) levels of recursion. 16 was fastest at T = 8k-32k, one thread, on the 2-core
+# development CPU (bench/gae_bench.py --chunk); a GPU may prefer a larger one.
 CHUNK = 16
 
 
@@ -169,8 +169,9 @@ def _scan_matrices(decay, size, like):
     tri[j, i] = decay^(j-i) for j >= i, else 0 ([size, size] or [B, size, size]).
 
     Powers come from float64 pow (0^0 = 1, no cumprod error growth), rounded once to like's
-    dtype. Subnormal results are flushed to 0: they are below the resolution of any float32 sum
-    they enter, and subnormals slow CPU matrix products down by orders of magnitude."""
+    dtype. Powers below the smallest normal float (1.2e-38 in float32) are flushed to 0: a token
+    that far away weighs nothing at float32 precision, and subnormals slow CPU matrix products
+    down by orders of magnitude."""
     if not isinstance(decay, torch.Tensor):
         return _cached_scan_matrices(decay, size, like.dtype, like.device)
     k = torch.arange(size + 1, dtype=torch.float64, device=like.device)
@@ -197,10 +198,10 @@ def _reverse_discounted_sum(x, decay):
     the same recursion one level up (a_k = local_k + decay^C a_{k+1}), so they come from this
     function on [B, T/C] with decay^C: depth log_C(T), no loop over tokens or chunks."""
     batch, length = x.shape
-    n_chunks = -(-length // CHUNK)
-    size = CHUNK if n_chunks > 1 else length  # one short chunk when T <= CHUNK
     if length == 0:
         return x.clone()
+    n_chunks = -(-length // CHUNK)
+    size = CHUNK if n_chunks > 1 else length  # one short chunk when T <= CHUNK
     powers, tri = _scan_matrices(decay, size, x)
     pad = n_chunks * size - length
     chunks = (F.pad(x, (0, pad)) if pad else x).view(batch, n_chunks, size)

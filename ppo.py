@@ -47,11 +47,11 @@ def check_masked_inputs(mask, right_padded=False, **tensors):
             raise ValueError(f"{name} must be a floating-point tensor, got {x.dtype}")
         # NaN and inf propagate through a sum, so one scalar tells; only a finite-but-overflowing
         # sum needs the elementwise look.
-        if not torch.isfinite(x.sum()) and not torch.isfinite(x).all():
+        if not torch.isfinite(x.detach().sum()) and not torch.isfinite(x).all():
             raise ValueError(f"{name} contains NaN or inf")
     if mask.numel() == 0:
         return
-    m = mask if mask.is_floating_point() else mask.float()
+    m = mask.double() if mask.dtype == torch.float64 else mask.float()  # exact integer sums
     # With 0 <= m <= 1, sum(m) = sum(m^2) iff every m is 0 or 1; for a binary mask every partial
     # sum is an integer <= T, so float32 compares exactly (T < 2^24).
     lo, hi = torch.aminmax(m)

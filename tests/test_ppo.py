@@ -1,0 +1,282 @@
+"""Tests for ppo.py: micro-batch invariance of the losses, clipping at its boundaries, masked
+statistics, log-probs/entropy with temperature, KL estimators, explained variance, input checks."""
+
+import math
+
+import pytest
+import torch
+
+from ppo import (
+    aggregate_loss,
+    check_masked_inputs,
+    entropy_from_logits,
+    explained_variance,
+    kl_penalty,
+    masked_mean,
+    masked_var,
+    masked_whiten,
+    policy_loss,
+    response_logprobs,
+    value_loss,
+)
+
+torch.set_num_threads(1)
+
+
+def ragged_mask(batch, length, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, length + 1, (batch,), generator=gen)
+    return (torch.arange(length)[None] < lengths[:, None]).float()
+
+
+def policy_batch(batch=8, length=12, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    mask = ragged_mask(batch, length, seed)
+    old = -torch.rand(batch, length, generator=gen) * 3
+    new = old + 0.4 * torch.randn(batch, length, generator=gen)  # ratios well past both clips
+    adv = torch.randn(batch, length, generator=gen) * mask
+    return new, old, adv, mask
+
+
+def grads_whole_vs_split(loss_fn, leaf, others, mask, splits, normalizer):
+    """Gradient of the whole-batch loss and the summed gradients of micro-batch losses."""
+    whole = leaf.clone().requires_grad_(True)
+    loss_fn(whole, *others, mask, normalizer).backward()
+    split_leaf = leaf.clone().requires_grad_(True)
+    start = 0
+    for size in splits:
+        rows = slice(start, start + size)
+        loss_fn(split_leaf[rows], *(x[rows] for x in others), mask[rows], normalizer).backward()
+        start += size
+    return whole.grad, split_leaf.grad
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean"])
+@pytest.mark.parametrize("dual_clip", [None, 3.0])
+def test_policy_gradient_is_identical_for_whole_batch_and_micro_batches(mode, dual_clip):
+    new, old, adv, mask = policy_batch()
+    normalizer = float(mask.sum()) if mode == "token-mean" else float(mask.shape[0])
+
+    def loss_fn(lp, old_lp, a, m, norm):
+        return policy_loss(lp, old_lp, a, m, 0.2, 0.28, dual_clip, mode, norm)[0]
+
+    whole, split = grads_whole_vs_split(loss_fn, new, (old, adv), mask, [3, 1, 4], normalizer)
+    assert whole.abs().sum() > 0
+    assert (whole - split).abs().max() <= 1e-6
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean"])
+def test_value_gradient_is_identical_for_whole_batch_and_micro_batches(mode):
+    gen = torch.Generator().manual_seed(1)
+    mask = ragged_mask(8, 12, 1)
+    old_values, returns = torch.randn(8, 12, generator=gen), torch.randn(8, 12, generator=gen)
+    values = old_values + torch.randn(8, 12, generator=gen)
+    normalizer = float(mask.sum()) if mode == "token-mean" else 8.0
+
+    def loss_fn(v, v_old, r, m, norm):
+        return value_loss(v, v_old, r, m, 0.5, mode, norm)[0]
+
+    whole, split = grads_whole_vs_split(loss_fn, values, (old_values, returns), mask, [5, 3], normalizer)
+    assert whole.abs().sum() > 0
+    assert (whole - split).abs().max() <= 1e-6
+
+
+def one_token_policy_grad(ratio, advantage, **kwargs):
+    """(loss, d loss / d log pi, metrics) for a single token with the given ratio."""
+    log_prob = torch.tensor([[math.log(ratio)]], requires_grad=True)
+    loss, metrics = policy_loss(log_prob, torch.zeros(1, 1), torch.tensor([[advantage]]), torch.ones(1, 1), **kwargs)
+    loss.backward()
+    return loss.item(), log_prob.grad.item(), metrics
+
+
+@pytest.mark.parametrize(
+    "ratio, advantage, clipped, which",
+    [
+        (1.28 + 1e-3, 1.0, True, "pg_clipfrac_high"),  # A > 0: gain capped at 1 + eps_high
+        (1.28 - 1e-3, 1.0, False, None),
+        (1.2 + 1e-3, 1.0, False, None),  # clip-higher: eps_high is 0.28, not eps_low
+        (0.8 - 1e-3, -1.0, True, "pg_clipfrac_low"),  # A < 0: gain capped at 1 - eps_low
+        (0.8 + 1e-3, -1.0, False, None),
+        (0.5, 1.0, False, None),  # pessimistic side stays unclipped
+        (2.0, -1.0, False, None),
+    ],
+)
+def test_policy_clip_removes_the_gradient_exactly_outside_its_range(ratio, advantage, clipped, which):
+    loss, grad, metrics = one_token_policy_grad(ratio, advantage, clip_low=0.2, clip_high=0.28)
+    if clipped:
+        assert grad == 0.0
+        bound = 1.28 if advantage > 0 else 0.8
+        assert loss == pytest.approx(-advantage * bound)
+        assert metrics[which].item() == 1.0
+    else:
+        assert grad == pytest.approx(-advantage * ratio)  # d(-A rho)/d log pi = -A rho
+        assert loss == pytest.approx(-advantage * ratio)
+    assert metrics["pg_clipfrac_low"] + metrics["pg_clipfrac_high"] == (1.0 if clipped else 0.0)
+
+
+def test_dual_clip_caps_negative_advantage_loss_at_c():
+    loss, grad, metrics = one_token_policy_grad(3.5, -2.0, dual_clip=3.0)
+    assert loss == pytest.approx(2.0 * 3.0) and grad == 0.0
+    assert metrics["pg_clipfrac_dual"].item() == 1.0
+    loss, grad, metrics = one_token_policy_grad(2.5, -2.0, dual_clip=3.0)
+    assert loss == pytest.approx(2.0 * 2.5) and grad == pytest.approx(2.0 * 2.5)
+    assert metrics["pg_clipfrac_dual"].item() == 0.0
+    loss, _, _ = one_token_policy_grad(3.5, 2.0, dual_clip=3.0)  # A > 0: dual clip not involved
+    assert loss == pytest.approx(-2.0 * 1.2)
+
+
+def test_policy_loss_ignores_padding_and_survives_absurd_ratios():
+    new, old, adv, mask = policy_batch(seed=2)
+    base, _ = policy_loss(new, old, adv, mask)
+    garbage_new = torch.where(mask.bool(), new, torch.full_like(new, 500.0))
+    garbage_adv = torch.where(mask.bool(), adv, torch.full_like(adv, 0.0))
+    loss, metrics = policy_loss(garbage_new, old, garbage_adv, mask)
+    assert loss.item() == pytest.approx(base.item())
+    assert all(math.isfinite(float(v)) for v in metrics.values())
+
+
+@pytest.mark.parametrize(
+    "value, clipped",
+    [(0.5 - 0.2 - 1e-3, True), (0.5 - 0.2 + 1e-3, False), (0.5 + 0.2 + 1e-3, False)],
+)
+def test_value_clip_removes_the_gradient_only_when_the_clipped_error_is_larger(value, clipped):
+    # V_old = 0.5, R = 0: a step towards R past V_old - c is clipped (the clipped error is larger);
+    # a step away from R keeps the larger, unclipped error and its gradient.
+    v = torch.tensor([[value]], requires_grad=True)
+    loss, metrics = value_loss(v, torch.tensor([[0.5]]), torch.tensor([[0.0]]), torch.ones(1, 1), clip=0.2)
+    loss.backward()
+    if clipped:
+        assert v.grad.item() == 0.0 and loss.item() == pytest.approx(0.5 * 0.3**2)
+        assert metrics["vf_clipfrac"].item() == 1.0
+    else:
+        assert v.grad.item() == pytest.approx(value) and loss.item() == pytest.approx(0.5 * value**2)
+        assert metrics["vf_clipfrac"].item() == 0.0
+
+
+def test_value_loss_without_clip_is_half_squared_error():
+    v, r = torch.tensor([[1.0, 3.0]]), torch.tensor([[0.0, 0.0]])
+    loss, _ = value_loss(v, torch.zeros(1, 2), r, torch.tensor([[1.0, 0.0]]), clip=None)
+    assert loss.item() == pytest.approx(0.5)
+
+
+def test_aggregate_loss_token_and_sequence_means():
+    loss = torch.tensor([[1.0, 3.0, 100.0], [2.0, 100.0, 100.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    assert aggregate_loss(loss, mask).item() == pytest.approx(6.0 / 3)
+    assert aggregate_loss(loss, mask, normalizer=6.0).item() == pytest.approx(1.0)
+    assert aggregate_loss(loss, mask, "seq-mean").item() == pytest.approx((2.0 + 2.0) / 2)
+    assert aggregate_loss(loss, mask, "seq-mean", normalizer=4.0).item() == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="mode"):
+        aggregate_loss(loss, mask, "sum")
+    with pytest.raises(ValueError, match="normalizer"):
+        aggregate_loss(loss, mask, normalizer=0.0)
+
+
+def test_whitening_ignores_padding():
+    gen = torch.Generator().manual_seed(3)
+    mask = ragged_mask(6, 10, 3)
+    x = torch.randn(6, 10, generator=gen) * 3 + 2
+    garbage = torch.where(mask.bool(), x, torch.full_like(x, 1e4))
+    white = masked_whiten(garbage, mask)
+    assert torch.equal(white, masked_whiten(x * mask, mask))
+    assert torch.equal(white[~mask.bool()], torch.zeros_like(white[~mask.bool()]))
+    assert masked_mean(white, mask).abs() < 1e-5
+    assert masked_var(white, mask) == pytest.approx(1.0, abs=1e-4)
+    kept = masked_whiten(x, mask, shift_mean=False)
+    assert masked_mean(kept, mask) == pytest.approx(masked_mean(x, mask).item(), abs=1e-5)
+
+
+def test_masked_statistics_match_torch_on_valid_entries_and_empty_mask_gives_zero():
+    x = torch.tensor([[1.0, 2.0, 9.0], [4.0, 9.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    valid = torch.tensor([1.0, 2.0, 4.0])
+    assert masked_mean(x, mask).item() == pytest.approx(valid.mean().item())
+    assert masked_var(x, mask).item() == pytest.approx(valid.var().item())
+    assert masked_var(x, mask, unbiased=False).item() == pytest.approx(valid.var(unbiased=False).item())
+    assert torch.allclose(masked_mean(x, mask, dim=1), torch.tensor([1.5, 4.0]))
+    assert masked_mean(x, torch.zeros_like(mask)).item() == 0.0
+
+
+def test_response_logprobs_divide_logits_by_temperature():
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(3, 5, 11, generator=gen) * 4
+    ids = torch.randint(0, 11, (3, 5), generator=gen)
+    for temperature in (1.0, 0.7):
+        expected = torch.log_softmax(logits / temperature, -1).gather(-1, ids[..., None]).squeeze(-1)
+        assert torch.allclose(response_logprobs(logits, ids, temperature), expected, atol=1e-6)
+    assert torch.allclose(response_logprobs(logits.bfloat16(), ids).exp().sum(), response_logprobs(logits, ids).exp().sum(), rtol=0.05)
+
+
+def test_entropy_from_logits_matches_definition_and_uniform_gives_log_vocab():
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(2, 4, 9, generator=gen) * 3
+    for temperature in (1.0, 1.5):
+        p = torch.softmax(logits / temperature, -1)
+        assert torch.allclose(entropy_from_logits(logits, temperature), -(p * p.log()).sum(-1), atol=1e-5)
+    assert torch.allclose(entropy_from_logits(torch.zeros(1, 1, 9)), torch.tensor([[math.log(9)]]))
+
+
+def test_kl_estimators_are_zero_at_equality_and_k1_k3_are_unbiased():
+    # Samples from pi; E[k1] = E[k3] = KL(pi || ref); k3 >= 0 per sample; k2 ~ KL for close policies.
+    pi = torch.tensor([0.5, 0.3, 0.2])
+    ref = torch.tensor([0.4, 0.4, 0.2])
+    true_kl = (pi * (pi / ref).log()).sum().item()
+    samples = torch.multinomial(pi, 200_000, replacement=True, generator=torch.Generator().manual_seed(6))
+    lp, lref = pi.log()[samples][None], ref.log()[samples][None]
+    k1, k2, k3 = (kl_penalty(lp, lref, kind) for kind in ("k1", "k2", "k3"))
+    assert k1.mean().item() == pytest.approx(true_kl, abs=2e-3)
+    assert k3.mean().item() == pytest.approx(true_kl, abs=2e-3)
+    assert k2.mean().item() == pytest.approx(true_kl, rel=0.1)
+    assert (k3 >= 0).all()
+    for kind in ("k1", "k2", "k3"):
+        assert torch.equal(kl_penalty(lp, lp, kind), torch.zeros_like(lp))
+    with pytest.raises(ValueError, match="kind"):
+        kl_penalty(lp, lref, "k4")
+
+
+def test_approx_kl_metric_is_zero_for_unchanged_policy_and_positive_otherwise():
+    new, old, adv, mask = policy_batch(seed=7)
+    assert policy_loss(old, old, adv, mask)[1]["approx_kl"].item() == 0.0
+    assert policy_loss(new, old, adv, mask)[1]["approx_kl"].item() > 0.0
+
+
+def test_explained_variance_perfect_mean_only_padding_and_constant_returns():
+    gen = torch.Generator().manual_seed(8)
+    mask = ragged_mask(5, 9, 8)
+    returns = torch.randn(5, 9, generator=gen)
+    assert explained_variance(returns, returns, mask).item() == pytest.approx(1.0)
+    mean = masked_mean(returns, mask)
+    assert explained_variance(torch.full_like(returns, mean.item()), returns, mask).item() == pytest.approx(0.0, abs=1e-6)
+    garbage = torch.where(mask.bool(), returns, torch.full_like(returns, 1e3))
+    assert explained_variance(garbage, garbage * 0 + returns, mask).item() == pytest.approx(1.0)
+    assert math.isnan(explained_variance(returns, torch.ones_like(returns), mask).item())
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda n, o, a, m: policy_loss(n, o, a[:, :3], m), "advantages has shape"),
+        (lambda n, o, a, m: policy_loss(n, o * float("nan"), a, m), "old_log_probs contains NaN"),
+        (lambda n, o, a, m: policy_loss(n, o, a, m * 0.5), "mask must be binary"),
+        (lambda n, o, a, m: policy_loss(n, o, a, m, clip_low=1.0), "clip_low"),
+        (lambda n, o, a, m: policy_loss(n, o, a, m, dual_clip=0.5), "dual_clip"),
+        (lambda n, o, a, m: policy_loss(n, o, a, m, mode="mean"), "mode"),
+        (lambda n, o, a, m: value_loss(n, o, a, m, clip=-1.0), "clip"),
+        (lambda n, o, a, m: value_loss(n, o, a.long(), m), "returns must be a floating-point"),
+        (lambda n, o, a, m: response_logprobs(n[..., None], torch.ones_like(m).long() * 3), "response_ids must lie"),
+        (lambda n, o, a, m: response_logprobs(n[..., None], m), "integer"),
+        (lambda n, o, a, m: response_logprobs(n[..., None], (m * 0).long(), temperature=0.0), "temperature"),
+        (lambda n, o, a, m: entropy_from_logits(n[..., None], temperature=-1.0), "temperature"),
+    ],
+)
+def test_bad_inputs_raise_value_error_naming_the_argument(call, match):
+    with pytest.raises(ValueError, match=match):
+        call(*policy_batch(seed=9))
+
+
+def test_check_masked_inputs_accepts_bool_masks_and_non_prefix_masks_unless_right_padded():
+    mask = torch.tensor([[True, False, True]])
+    check_masked_inputs(mask, x=torch.zeros(1, 3))
+    with pytest.raises(ValueError, match="right-padded"):
+        check_masked_inputs(mask, right_padded=True)
+    check_masked_inputs(torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]]), right_padded=True)
