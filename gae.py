@@ -185,8 +185,10 @@ def _scan_matrices(decay, size, like):
 @functools.lru_cache(maxsize=64)
 def _cached_scan_matrices(decay, size, dtype, device):
     # A scalar decay gives the same small matrices on every call; building them costs more than
-    # using them at the upper levels of the scan.
-    return _scan_matrices(torch.tensor(decay, dtype=torch.float64), size, torch.empty(0, dtype=dtype, device=device))
+    # using them at the upper levels of the scan. Built as normal tensors even under
+    # inference_mode, so that a later differentiable call can save them for backward.
+    with torch.inference_mode(False):
+        return _scan_matrices(torch.tensor(decay, dtype=torch.float64), size, torch.empty(0, dtype=dtype, device=device))
 
 
 def _reverse_discounted_sum(x, decay):

@@ -35,7 +35,7 @@ _KL_KINDS = ("k1", "k2", "k3")
 def check_masked_inputs(mask, right_padded=False, **tensors):
     """Raise ValueError naming the argument if a tensor's shape differs from mask's, the mask is
     not binary (or, with right_padded, not ones-then-zeros in every row), or a tensor holds
-    NaN/inf. Reductions only (no [B, T] temporaries), so it costs a few percent of a GAE call."""
+    NaN/inf. Reductions only, no [B, T] temporaries (about a fifth of a CPU decoupled_gae call)."""
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
         raise ValueError(f"mask must be a 2-D [B, T] tensor, got {getattr(mask, 'shape', type(mask))}")
     for name, x in tensors.items():
@@ -247,11 +247,12 @@ def value_loss(values, old_values, returns, mask, clip=0.5, mode="token-mean", n
 
 def explained_variance(values, returns, mask):
     """1 - Var(R - V) / Var(R) over valid tokens (1 = perfect critic, 0 = no better than the
-    mean). NaN when Var(R) = 0, where the ratio is undefined."""
+    mean). NaN when the returns are constant (Var(R) at rounding level), where it is undefined."""
     check_masked_inputs(mask, values=values, returns=returns)
     mask = mask.to(values.dtype)
     var_r = masked_var(returns, mask, unbiased=False)
-    if var_r == 0:
+    # A constant that is not a binary fraction (0.1) leaves a variance of order (eps * R)^2.
+    if var_r <= 100 * torch.finfo(var_r.dtype).eps ** 2 * masked_mean(returns**2, mask):
         return torch.tensor(float("nan"), dtype=values.dtype, device=values.device)
     return 1 - masked_var(returns - values, mask, unbiased=False) / var_r
 

@@ -231,3 +231,12 @@ def test_grpo_and_length_lambda_reject_bad_input():
         length_adaptive_lambda(torch.tensor([10]), alpha=0.0)
     with pytest.raises(ValueError, match="lengths"):
         length_adaptive_lambda(torch.tensor([-1]))
+
+
+def test_gae_is_differentiable_in_values_even_after_an_inference_mode_call():
+    rewards, values, mask = make_batch(3, 40, seed=12, dtype=torch.float64, garbage_padding=False)
+    gae._cached_scan_matrices.cache_clear()
+    with torch.inference_mode():  # fills the matrix cache with this call's chunk matrices
+        decoupled_gae(rewards, values, mask, 0.9, 0.8, 1.0)
+    values = values.clone().requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda v: decoupled_gae(rewards, v, mask, 0.9, 0.8, 1.0), (values,))

@@ -250,6 +250,8 @@ def test_explained_variance_perfect_mean_only_padding_and_constant_returns():
     garbage = torch.where(mask.bool(), returns, torch.full_like(returns, 1e3))
     assert explained_variance(garbage, garbage * 0 + returns, mask).item() == pytest.approx(1.0)
     assert math.isnan(explained_variance(returns, torch.ones_like(returns), mask).item())
+    assert math.isnan(explained_variance(returns, torch.full_like(returns, 0.1), mask).item())
+    assert math.isnan(explained_variance(returns, torch.zeros_like(returns), mask).item())
 
 
 @pytest.mark.parametrize(
