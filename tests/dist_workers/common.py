@@ -13,33 +13,43 @@ import torch
 from task import build_tokenizer, make_tiny_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PROMPTS = ["+123+456=\n", "+9=\n", "+1+2+3+4+5+6=\n", "+77+5=\n", "+40+41+42=\n"]
+# Rows 0-2 go to rank 0 and rows 3-4 to rank 1; the prompts ending in "7" stop at once (see below).
+PROMPTS = ["+123+456=\n", "+17+7", "+1+2+3+4+5+6=\n", "+77+5=\n", "+40+47"]
 
 
 def tiny_actor(seed: int = 0):
-    """(tokenizer, tiny Qwen2 with head_dim 64) whose EOS logit is boosted so that some responses
-    stop by themselves: both finish reasons occur within a few tokens."""
+    """(tokenizer, tiny 2-layer Qwen2 with head_dim 64) that stops deterministically after a "7".
+
+    The embedding is tied to the head, so EOS's row set to 2 x the row of "7" makes EOS the
+    greedy choice right after a "7" (the hidden state there is mostly that embedding): greedy
+    runs then end both ways, by EOS and by length, whatever the random initialisation."""
     tokenizer = build_tokenizer()
     model = make_tiny_model(tokenizer, num_layers=2, seed=seed)
+    embedding = model.model.embed_tokens.weight
     with torch.no_grad():
-        model.model.embed_tokens.weight[tokenizer.eos_token_id] *= 8.0  # tied: the head row too
+        embedding[tokenizer.eos_token_id] = 2.0 * embedding[tokenizer.convert_tokens_to_ids("7")]
     return tokenizer, model
 
 
 def run_torchrun(script: str, out_dir: str, *args: str, nproc: int = 2, timeout: int = 240) -> list[dict]:
-    """Run tests/dist_workers/<script> on `nproc` CPU ranks (gloo); return each rank's JSON result."""
+    """Run tests/dist_workers/<script> on `nproc` CPU ranks (gloo); return each rank's JSON result.
+
+    nproc=0 runs it as one plain process without torchrun (the ordinary single-process path).
+    Workers always run in a child process: vLLM changes process-wide state (thread binding,
+    `torch.set_num_threads`) that must not leak into the other tests.
+    """
     with socket.socket() as s:  # a free port: other test runs may hold torchrun's default
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_addr", "127.0.0.1", "--master_port", str(port),
-           os.path.join(REPO, "tests", "dist_workers", script), out_dir, *args]
+    launcher = ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                "--master_addr", "127.0.0.1", "--master_port", str(port)] if nproc else []
+    cmd = [sys.executable, *launcher, os.path.join(REPO, "tests", "dist_workers", script), out_dir, *args]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"{script} failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     results = []
-    for rank in range(nproc):
+    for rank in range(max(nproc, 1)):
         with open(os.path.join(out_dir, f"rank{rank}.json")) as f:
             results.append(json.load(f))
     return results
