@@ -4,6 +4,7 @@ The worker (tests/dist_workers/fsdp_worker.py) runs once per session and writes 
 test checks one property of them. Single-process behaviour of the same helpers is checked here too.
 """
 
+import copy
 import os
 
 import pytest
@@ -85,3 +86,29 @@ def test_bucket_size_must_be_positive():
     _, model = tiny_actor()
     with pytest.raises(ValueError, match="bucket_bytes"):
         next(iter_full_weights(model, 0))
+
+
+def test_memory_plan_counts_the_parameters_of_the_real_models():
+    from transformers import AutoModelForTokenClassification
+
+    from memory_plan import ModelShape
+
+    _, model = tiny_actor()
+    shape = ModelShape.from_config(model.config)
+    assert shape.params() == sum(p.numel() for p in model.parameters())  # tied head counted once
+    config = copy.deepcopy(model.config)
+    config.num_labels = 1
+    critic = AutoModelForTokenClassification.from_config(config)
+    assert shape.params(value_head=True) == sum(p.numel() for p in critic.parameters())
+
+
+def test_memory_plan_32b_actor_and_critic_fit_16_h200_but_not_8():
+    from memory_plan import QWEN25_32B, plan
+
+    assert QWEN25_32B.params() == 32_763_876_352
+    sixteen = plan(QWEN25_32B, world_size=16)
+    assert sixteen.fits and "fits" in str(sixteen)
+    assert not plan(QWEN25_32B, world_size=8).fits
+    assert not plan(QWEN25_32B, world_size=16, micro_batch_tokens=4 * 9216).fits  # logits dominate
+    with pytest.raises(ValueError, match="multiple of tensor_parallel_size"):
+        plan(QWEN25_32B, world_size=6, tensor_parallel_size=4)

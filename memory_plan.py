@@ -1,0 +1,197 @@
+"""Per-GPU memory plan for colocated FSDP2 training and vLLM rollouts (`train.py --plan`).
+
+An estimate from the model's shapes, not a measurement. A colocated step has two phases:
+- rollout: vLLM is awake and takes `gpu_memory_utilization` of the GPU (its bf16 weights split
+  by tensor parallelism, the rest KV cache); the trainer's sharded parameters and optimizer
+  states stay resident (gradients are freed), unless offloaded to CPU;
+- training: vLLM sleeps at level 2 (holds nothing); actor and critic states are resident, plus
+  the gradients, the layers FSDP gathers, and the activations of one micro-batch.
+
+    python memory_plan.py                       # Qwen2.5-32B actor + critic, 2 x 8 x H200
+    python memory_plan.py --world-size 8 --micro-batch-tokens 36864
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The numbers of a Qwen2-style decoder that decide its memory."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    head_dim: int
+    tied: bool = False  # lm_head shares the embedding
+
+    @classmethod
+    def from_config(cls, config) -> "ModelShape":
+        """From a Hugging Face config (e.g. `AutoConfig.from_pretrained(path)`)."""
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls(config.hidden_size, config.num_hidden_layers, config.num_attention_heads,
+                   config.num_key_value_heads, config.intermediate_size, config.vocab_size, head_dim,
+                   bool(getattr(config, "tie_word_embeddings", False)))
+
+    @property
+    def layer_params(self) -> int:
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        attention = self.hidden * q + q + 2 * (self.hidden * kv + kv) + q * self.hidden  # q, k, v biased
+        return attention + 3 * self.hidden * self.intermediate + 2 * self.hidden  # SwiGLU MLP, 2 norms
+
+    def params(self, value_head: bool = False) -> int:
+        """Actor (causal LM) or critic (same backbone, scalar head instead of lm_head)."""
+        backbone = self.vocab * self.hidden + self.layers * self.layer_params + self.hidden
+        if value_head:
+            return backbone + self.hidden + 1
+        return backbone + (0 if self.tied else self.vocab * self.hidden)
+
+    def activation_elements_per_token(self) -> int:
+        """Tensors one decoder layer saves for backward, per token (memory-efficient attention:
+        no seq x seq scores): norms and residuals, q/k/v before and after rotary, the attention
+        output, and the MLP's gate, up, activation and product."""
+        kv = self.kv_heads * self.head_dim
+        return 8 * self.hidden + 3 * kv + 4 * self.intermediate
+
+
+QWEN25_32B = ModelShape(hidden=5120, layers=64, heads=40, kv_heads=8, intermediate=27648, vocab=152064, head_dim=128)
+
+
+@dataclass
+class MemoryPlan:
+    rows: list[tuple[str, float, float]]  # (component, rollout GiB, training GiB) per GPU
+    capacity_gib: float
+    notes: list[str]
+
+    @property
+    def peak_gib(self) -> float:
+        return max(sum(r[1] for r in self.rows), sum(r[2] for r in self.rows))
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_gib <= self.capacity_gib
+
+    def __str__(self) -> str:
+        lines = [f"{'per GPU (GiB)':<52}{'rollout':>10}{'training':>10}"]
+        lines += [f"{name:<52}{a:>10.1f}{b:>10.1f}" for name, a, b in self.rows]
+        totals = [sum(r[i] for r in self.rows) for i in (1, 2)]
+        lines.append(f"{'total':<52}{totals[0]:>10.1f}{totals[1]:>10.1f}")
+        verdict = "fits" if self.fits else "does NOT fit"
+        lines.append(f"peak {self.peak_gib:.1f} GiB of {self.capacity_gib:.1f} GiB usable: {verdict}")
+        return "\n".join(lines + self.notes)
+
+
+def plan(
+    model,
+    world_size: int,
+    critic=None,
+    tensor_parallel_size: int = 4,
+    micro_batch_tokens: int = 9216,
+    gpu_memory_utilization: float = 0.5,
+    mixed_precision: bool = True,
+    activation_checkpointing: bool = True,
+    cpu_offload: bool = False,
+    gpu_gib: float = 140.4,
+    reserved_gib: float = 5.0,
+) -> MemoryPlan:
+    """Per-GPU memory of actor + critic training (FSDP2 over `world_size`) and vLLM rollouts.
+
+    model / critic: a `ModelShape` or a Hugging Face config (the critic defaults to the actor's
+    backbone). micro_batch_tokens: prompt + response tokens in one forward/backward per GPU.
+    gpu_gib: what the GPU reports (H200 "141 GB": 143,771 MiB = 140.4 GiB); reserved_gib: CUDA
+    context, NCCL buffers and fragmentation, not available to either phase.
+    """
+    actor = model if isinstance(model, ModelShape) else ModelShape.from_config(model)
+    critic = actor if critic is None else critic if isinstance(critic, ModelShape) else ModelShape.from_config(critic)
+    if world_size < 1 or tensor_parallel_size < 1 or world_size % tensor_parallel_size:
+        raise ValueError(f"world_size {world_size} must be a positive multiple of tensor_parallel_size {tensor_parallel_size}")
+    if not 0 < gpu_memory_utilization < 1:
+        raise ValueError(f"gpu_memory_utilization must lie in (0, 1), got {gpu_memory_utilization}")
+    n_actor, n_critic = actor.params(), critic.params(value_head=True)
+    compute_bytes = 2 if mixed_precision else 4  # bf16 or fp32 for gathered layers and activations
+    on_gpu = 0.0 if cpu_offload else 1.0
+    shard = lambda n, nbytes: on_gpu * n * nbytes / world_size / GIB  # fp32 sharded state
+    rows = [
+        ("actor parameters (fp32, sharded)", shard(n_actor, 4), shard(n_actor, 4)),
+        ("actor AdamW states (2 x fp32, sharded)", shard(n_actor, 8), shard(n_actor, 8)),
+        ("critic parameters (fp32, sharded)", shard(n_critic, 4), shard(n_critic, 4)),
+        ("critic AdamW states (2 x fp32, sharded)", shard(n_critic, 8), shard(n_critic, 8)),
+        # Actor and critic are updated one after the other; gradients are freed in between.
+        ("gradients of one model (fp32, sharded)", 0.0, shard(max(n_actor, n_critic), 4)),
+        # FSDP holds the running layer and prefetches the next one, unsharded.
+        ("gathered layers (2 decoder layers)", 0.0, 2 * actor.layer_params * compute_bytes / GIB),
+    ]
+    activations = {name: _activations(shape, micro_batch_tokens, compute_bytes, activation_checkpointing, lm)
+                   for name, shape, lm in (("actor", actor, True), ("critic", critic, False))}
+    rows.append(("activations of one micro-batch (actor/critic max)", 0.0, max(activations.values())))
+    vllm_total = gpu_memory_utilization * gpu_gib
+    vllm_weights = n_actor * 2 / tensor_parallel_size / GIB
+    rows.append(("vLLM weights (bf16 / tensor parallel)", vllm_weights, 0.0))
+    rows.append(("vLLM KV cache and buffers (rest of its share)", vllm_total - vllm_weights, 0.0))
+
+    # KV per token on one GPU: K and V, every layer, this GPU's KV heads (replicated when fewer than TP).
+    kv_heads_here = max(actor.kv_heads // tensor_parallel_size, 1)
+    kv_per_token = 2 * actor.layers * kv_heads_here * actor.head_dim * 2
+    kv_tokens = max(vllm_total - vllm_weights - 2.0, 0.0) * GIB / kv_per_token  # ~2 GiB of vLLM buffers
+    notes = [
+        f"actor {n_actor / 1e9:.2f}B parameters, critic {n_critic / 1e9:.2f}B; world size {world_size}, "
+        f"vLLM tensor parallel {tensor_parallel_size} ({world_size // tensor_parallel_size} engines)",
+        f"activations per micro-batch of {micro_batch_tokens} tokens: actor {activations['actor']:.1f} GiB "
+        f"(logits {micro_batch_tokens * actor.vocab * 10 / GIB:.1f}), critic {activations['critic']:.1f} GiB",
+        f"vLLM KV cache holds ~{kv_tokens / 1e3:.0f}k tokens per engine "
+        f"({kv_per_token // 1024} KiB per token per GPU)",
+    ]
+    if vllm_weights > vllm_total:
+        notes.append("vLLM's share cannot even hold its weights: raise gpu_memory_utilization or tensor parallelism")
+    return MemoryPlan(rows, gpu_gib - reserved_gib, notes)
+
+
+def _activations(shape: ModelShape, tokens: int, nbytes: int, checkpointing: bool, lm_head: bool) -> float:
+    """GiB for one forward + backward of `tokens` tokens."""
+    per_layer = shape.activation_elements_per_token() * tokens * nbytes
+    if checkpointing:  # every layer keeps its input; one layer is recomputed, with its gradients
+        total = shape.layers * shape.hidden * tokens * nbytes + 2 * per_layer
+    else:
+        total = shape.layers * per_layer
+    if lm_head:  # bf16 logits + fp32 log-softmax kept for backward + its fp32 gradient: 10 bytes
+        total += tokens * shape.vocab * 10
+    return total / GIB
+
+
+def main(argv: list[str] | None = None) -> MemoryPlan:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="a Hugging Face model directory (config.json); default Qwen2.5-32B numbers")
+    p.add_argument("--world-size", type=int, default=16)
+    p.add_argument("--tensor-parallel-size", type=int, default=4)
+    p.add_argument("--micro-batch-tokens", type=int, default=9216, help="prompt + response tokens per micro-batch")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    p.add_argument("--gpu-gib", type=float, default=140.4, help="memory the GPU reports (H200: 140.4)")
+    p.add_argument("--reserved-gib", type=float, default=5.0)
+    p.add_argument("--no-mixed-precision", dest="mixed_precision", action="store_false")
+    p.add_argument("--no-activation-checkpointing", dest="activation_checkpointing", action="store_false")
+    p.add_argument("--cpu-offload", action="store_true")
+    args = p.parse_args(argv)
+    if args.model:
+        from transformers import AutoConfig
+
+        shape = ModelShape.from_config(AutoConfig.from_pretrained(args.model))
+    else:
+        shape = QWEN25_32B
+    options = {k: v for k, v in vars(args).items() if k != "model"}
+    try:
+        result = plan(shape, **options)
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
+    print(result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
