@@ -9,15 +9,18 @@ Numbers inside the prompt and the trace are written least-significant digit firs
 so each generated digit depends on three tokens at fixed distances: a tiny model is reliable per
 step, yet a long chain accumulates errors. Only the final answer is written normally.
 
-    prompt  +73+58+21+49=\n                   37 + 85 + 12 + 94, digits reversed
-    full    +73:7.3.0.0.\n                    0 + 37 = 37    (4 digits, each with a carry mark)
-            +58:2'2'1.0.\n                    37 + 85 = 122  (7+5 = 12: write 2, carry 1; ...)
-            +21:4.3.1.0.\n                    122 + 12 = 134
-            +49:8.2'2.0.\n                    134 + 94 = 228
+    prompt  a73b58c21d49=\n                   37 + 85 + 12 + 94: terms labelled a, b, ...
+    full    a73:7.3.0.0.\n                    0 + 37 = 37    (4 digits, each with a carry mark)
+            b58:2'2'1.0.\n                    37 + 85 = 122  (7+5 = 12: write 2, carry 1; ...)
+            c21:4.3.1.0.\n                    122 + 12 = 134
+            d49:8.2'2.0.\n                    134 + 94 = 228
             \boxed{228}
 
+Each line starts by copying the next labelled term: the labels make that copy a lookup by content
+instead of an induction over positions, which a tiny model learns far faster.
+
 Two ways to shorten the reasoning exist at every line, each with a real but not certain cost:
-- merge: add two terms in one line ("+21+49:..."), saving 10 tokens; three-operand columns are
+- merge: add two terms in one line ("c21d49:..."), saving 10 tokens; three-operand columns are
   harder for a small model, so merged lines fail more often (measured by `sft.py`);
 - shortcut: stop after any line and box the exact total "in one's head": easy for one or two
   terms, hopeless for twenty, so shortcuts are mostly wrong on long problems.
@@ -30,34 +33,40 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from tokenizers import pre_tokenizers
+from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
 
 TERM_DIGITS = 2  # terms are 10..99
 WIDTH = 4  # digits of every running total; 4 digits hold 101 * 99 = 9999
-MAX_DIFFICULTY = (10**WIDTH - 1) // (10**TERM_DIGITS - 1)
+LABELS = "abcdefghijklmnopqrstuvwxyz"  # one per term, so at most 26 terms (26 * 99 < 10**WIDTH)
+MAX_DIFFICULTY = len(LABELS)
 DEFAULT_DIFFICULTY = (1, 24)  # ~24 to ~320 response tokens
 CARRY_MARKS = ".'\""  # carry 0, 1, 2 (a merged line adds up to 9+9+9+2 = 29 per column)
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
-ALPHABET = "0123456789+=:" + CARRY_MARKS + "\n\\boxed{}"
+ALPHABET = "0123456789=:" + CARRY_MARKS + "\n\\{}" + LABELS  # "boxed" is made of labels
 
-_LINE = re.compile(r"((?:\+\d{%d})+):((?:\d[%s]){%d})" % (TERM_DIGITS, re.escape(CARRY_MARKS), WIDTH))
+_LINE = re.compile(r"((?:[a-z]\d{%d})+):((?:\d[%s]){%d})" % (TERM_DIGITS, re.escape(CARRY_MARKS), WIDTH))
+_TERM = re.compile(r"([a-z])(\d{%d})" % TERM_DIGITS)
 _BOX = re.compile(r"\\boxed\{([^{}]*)\}")
-_PROMPT = re.compile(r"((?:\+\d{%d})+)=\n" % TERM_DIGITS)
+_PROMPT = re.compile(r"((?:[a-z]\d{%d})+)=\n" % TERM_DIGITS)
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """Character-level tokenizer in standard tokenizer.json form (works with AutoTokenizer and vLLM)."""
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + tuple(ALPHABET))}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    # Every character, newline included, is its own pre-token; Fuse glues them back on decode.
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+def build_tokenizer() -> Qwen2Tokenizer:
+    """Character-level tokenizer: one token per character, saved as a standard tokenizer.json.
+
+    It is a byte-level BPE without merges, i.e. exactly the pipeline that `AutoTokenizer` (and so
+    vLLM) rebuilds for a Qwen2 checkpoint from the saved vocabulary: a WordLevel tokenizer saved
+    beside a Qwen2 config would be reloaded as Qwen2's BPE and silently drop every newline.
+    Characters outside the task's alphabet are dropped, as any byte-level BPE drops unknown bytes.
+    """
+    to_byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    symbols = [to_byte_level.pre_tokenize_str(c)[0][0] for c in ALPHABET]  # "\n" -> "Ċ"
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + tuple(symbols))}
+    return Qwen2Tokenizer(vocab=vocab, merges=[], unk_token="<unk>", eos_token="<eos>", pad_token="<pad>")
 
 
 def make_tiny_model(
-    tokenizer: PreTrainedTokenizerFast,
+    tokenizer: Qwen2Tokenizer,
     num_layers: int = 3,
     hidden_size: int = 128,
     num_heads: int = 2,
@@ -111,7 +120,7 @@ def make_problems(
     for _ in range(n):
         k = rng.randint(min_difficulty, max_difficulty)
         terms = [rng.randint(10 ** (TERM_DIGITS - 1), 10**TERM_DIGITS - 1) for _ in range(k)]
-        prompt = "".join("+" + _rev(t, TERM_DIGITS) for t in terms) + "=\n"
+        prompt = _labelled(terms, 0) + "=\n"
         problems.append({"prompt": prompt, "answer": str(sum(terms)), "difficulty": k})
     return problems
 
@@ -119,13 +128,20 @@ def make_problems(
 def prompt_terms(prompt: str) -> list[int]:
     """The terms of a task prompt, in order (ValueError if it is not one)."""
     m = _PROMPT.fullmatch(prompt)
-    if m is None:
+    labelled = _TERM.findall(m.group(1)) if m else []
+    if not labelled or [lab for lab, _ in labelled] != list(LABELS[: len(labelled)]):
         raise ValueError(f"not a task prompt: {prompt[:40]!r}")
-    return [int(s[::-1]) for s in m.group(1)[1:].split("+")]
+    return [int(digits[::-1]) for _, digits in labelled]
 
 
-def step_line(total: int, terms: list[int]) -> str:
-    """One reasoning line: add `terms` to the running `total`, column by column, marking carries."""
+def _labelled(terms: list[int], first: int) -> str:
+    """Terms written with their labels, digits reversed: [37, 85], 0 -> "a73b58"."""
+    return "".join(LABELS[first + i] + _rev(t, TERM_DIGITS) for i, t in enumerate(terms))
+
+
+def step_line(total: int, terms: list[int], first: int) -> str:
+    """One reasoning line: add `terms` (labels from index `first`) to the running `total`,
+    column by column, marking carries."""
     cells, carry = [], 0
     digits = [_rev(total, WIDTH)] + [_rev(t, WIDTH) for t in terms]
     for col in range(WIDTH):
@@ -134,7 +150,7 @@ def step_line(total: int, terms: list[int]) -> str:
         cells.append(str(s % 10) + CARRY_MARKS[carry])
     if carry:
         raise ValueError(f"{total} + {terms} overflows {WIDTH} digits")
-    return "".join("+" + _rev(t, TERM_DIGITS) for t in terms) + ":" + "".join(cells) + "\n"
+    return _labelled(terms, first) + ":" + "".join(cells) + "\n"
 
 
 def sft_response(problem: dict, rng: random.Random, shortcut_prob: float = 0.3, merge_prob: float = 0.1) -> str:
@@ -155,10 +171,10 @@ def sft_response(problem: dict, rng: random.Random, shortcut_prob: float = 0.3, 
         i += size
     if rng.random() < shortcut_prob:
         groups = groups[: rng.randrange(len(groups))]
-    lines, total = [], 0
+    lines, total, done = [], 0, 0
     for g in groups:
-        lines.append(step_line(total, g))
-        total += sum(g)
+        lines.append(step_line(total, g, done))
+        total, done = total + sum(g), done + len(g)
     return "".join(lines) + "\\boxed{" + str(sum(terms)) + "}"
 
 
@@ -192,11 +208,14 @@ def parse_response(prompt: str, response: str) -> Trace:
         m = _LINE.fullmatch(line)
         if m is None:
             return trace
-        written = [int(s[::-1]) for s in m.group(1)[1:].split("+")]
         k = trace.terms_done
-        if written != terms[k : k + len(written)]:
-            return trace
-        trace.line_ok.append(step_line(total, written) == line + "\n" if total + sum(written) < 10**WIDTH else False)
+        labelled = _TERM.findall(m.group(1))
+        written = [int(digits[::-1]) for _, digits in labelled]
+        if [lab for lab, _ in labelled] != list(LABELS[k : k + len(labelled)]) or k + len(labelled) > len(terms):
+            return trace  # a skipped, repeated or invented term
+        # Right = the term copied right and the columns right, given the total written above.
+        copied = written == terms[k : k + len(written)]
+        trace.line_ok.append(copied and total + sum(written) < 10**WIDTH and step_line(total, written, k) == line + "\n")
         trace.line_terms.append(len(written))
         trace.terms_done += len(written)
         total = int(m.group(2)[0::2][::-1])  # the total as written, right or wrong

@@ -1,0 +1,138 @@
+"""The built-in task: tokenizer, traces, strategies, difficulty (task.py)."""
+import random
+
+import pytest
+from transformers import AutoTokenizer
+
+import task
+from reward import rule_reward
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return task.build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def problems():
+    return task.make_problems(40, seed=3, min_difficulty=1, max_difficulty=task.MAX_DIFFICULTY)
+
+
+def test_tokenizer_round_trips_through_a_qwen2_checkpoint_dir(tokenizer, problems, tmp_path):
+    # Saved beside a Qwen2 config, AutoTokenizer rebuilds the tokenizer from the vocabulary:
+    # the reload must still keep every character (newlines included) and decode exactly.
+    task.make_tiny_model(tokenizer).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    reloaded = AutoTokenizer.from_pretrained(tmp_path)
+    rng = random.Random(0)
+    for p in problems:
+        for text in (p["prompt"], p["prompt"] + task.sft_response(p, rng)):
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            assert reloaded(text, add_special_tokens=False)["input_ids"] == ids
+            assert len(ids) == len(text)  # one token per character
+            assert reloaded.decode(ids + [reloaded.eos_token_id], skip_special_tokens=True) == text
+    assert (reloaded.eos_token_id, reloaded.pad_token_id) == (tokenizer.eos_token_id, tokenizer.pad_token_id)
+
+
+def test_full_traces_are_correct_under_the_task_arithmetic(problems):
+    for p in problems:
+        trace = task.parse_response(p["prompt"], task.full_response(p))
+        assert trace.strategy == "full"
+        assert all(trace.line_ok) and len(trace.line_ok) == p["difficulty"]
+        assert trace.boxed == p["answer"] == str(sum(task.prompt_terms(p["prompt"])))
+
+
+def test_full_traces_are_graded_plus_one_and_wrong_boxes_minus_one(problems):
+    for p in problems:
+        response = task.full_response(p)
+        assert rule_reward(response, p["answer"]) == 1.0
+        assert rule_reward(response.replace("{" + p["answer"], "{1" + p["answer"]), p["answer"]) == -1.0
+
+
+def test_sft_traces_are_classified_by_strategy(problems):
+    rng = random.Random(1)
+    for p in problems:
+        full = task.sft_response(p, rng, shortcut_prob=0.0, merge_prob=0.0)
+        merged = task.sft_response(p, rng, shortcut_prob=0.0, merge_prob=1.0)
+        shortcut = task.sft_response(p, rng, shortcut_prob=1.0, merge_prob=0.0)
+        assert task.response_strategy(p["prompt"], full) == "full"
+        assert task.response_strategy(p["prompt"], merged) == ("merged" if p["difficulty"] > 1 else "full")
+        assert task.response_strategy(p["prompt"], shortcut) == "shortcut"
+        for text in (merged, shortcut):  # every SFT target is right, only shorter
+            trace = task.parse_response(p["prompt"], text)
+            assert all(trace.line_ok) and trace.boxed == p["answer"]
+            assert len(text) < len(full) or p["difficulty"] == 1
+
+
+def test_sft_mix_has_the_requested_shortcut_share():
+    problems = task.make_problems(2000, seed=5)
+    rng = random.Random(2)
+    strategies = [task.response_strategy(p["prompt"], task.sft_response(p, rng, 0.3, 0.1)) for p in problems]
+    assert 0.26 < strategies.count("shortcut") / len(strategies) < 0.34
+    assert strategies.count("invalid") == 0
+
+
+def test_difficulty_sets_the_length_of_the_full_trace_monotonically(tokenizer):
+    lengths = []
+    for k in range(1, task.MAX_DIFFICULTY + 1):
+        ps = task.make_problems(5, seed=k, min_difficulty=k, max_difficulty=k)
+        lengths.append(max(len(tokenizer(task.full_response(p))["input_ids"]) for p in ps))
+    assert all(a < b for a, b in zip(lengths, lengths[1:]))
+    assert lengths[0] <= 25 and lengths[task.DEFAULT_DIFFICULTY[1] - 1] >= 300
+
+
+def test_problems_are_deterministic_given_the_seed_and_respect_the_difficulty_range():
+    a = task.make_problems(50, seed=7, min_difficulty=3, max_difficulty=9)
+    assert a == task.make_problems(50, seed=7, min_difficulty=3, max_difficulty=9)
+    assert a != task.make_problems(50, seed=8, min_difficulty=3, max_difficulty=9)
+    assert {p["difficulty"] for p in a} <= set(range(3, 10))
+    assert all(len(task.prompt_terms(p["prompt"])) == p["difficulty"] for p in a)
+    rng_a, rng_b = random.Random(4), random.Random(4)
+    assert [task.sft_response(p, rng_a) for p in a] == [task.sft_response(p, rng_b) for p in a]
+
+
+def test_lines_are_judged_against_the_total_written_above():
+    p = task.make_problems(1, seed=0, min_difficulty=4, max_difficulty=4)[0]
+    lines = task.full_response(p).split("\n")
+    lines[1] = lines[1][:4] + str((int(lines[1][4]) + 1) % 10) + lines[1][5:]  # slip: line 2, units
+    # Line 3 still adds to the true total, so it disagrees with the slipped one above it;
+    # line 4 agrees with line 3 as written.
+    assert task.parse_response(p["prompt"], "\n".join(lines)).line_ok == [True, False, False, True]
+    written_total = int(lines[1][4::2][::-1])
+    lines[2] = task.step_line(written_total, task.prompt_terms(p["prompt"])[2:3], 2).rstrip("\n")
+    assert task.parse_response(p["prompt"], "\n".join(lines)).line_ok == [True, False, True, False]
+
+
+@pytest.mark.parametrize("edit", ["drop_box", "skip_term", "repeat_line", "trailing_text", "garbage"])
+def test_malformed_responses_are_invalid(edit):
+    p = task.make_problems(1, seed=1, min_difficulty=5, max_difficulty=5)[0]
+    lines = task.full_response(p).split("\n")
+    text = {
+        "drop_box": "\n".join(lines[:-1]) + "\n",
+        "skip_term": "\n".join(lines[:1] + lines[2:]),
+        "repeat_line": "\n".join(lines[:2] + lines[1:]),
+        "trailing_text": "\n".join(lines) + "\n0",
+        "garbage": "hello",
+    }[edit]
+    assert task.response_strategy(p["prompt"], text) == "invalid"
+
+
+def test_bad_inputs_raise_value_errors(tokenizer):
+    with pytest.raises(ValueError):
+        task.make_problems(3, seed=0, min_difficulty=1, max_difficulty=task.MAX_DIFFICULTY + 1)
+    with pytest.raises(ValueError):
+        task.make_problems(3, seed=0, min_difficulty=5, max_difficulty=4)
+    with pytest.raises(ValueError):
+        task.prompt_terms("What is 2+2?")
+    with pytest.raises(ValueError):
+        task.sft_response({"prompt": "a12b34=\n", "answer": "76"}, random.Random(0), shortcut_prob=1.5)
+    with pytest.raises(ValueError):
+        task.make_tiny_model(tokenizer, hidden_size=96, num_heads=2)
+
+
+def test_tiny_model_matches_the_tokenizer(tokenizer):
+    model = task.make_tiny_model(tokenizer, num_layers=1)
+    c = model.config
+    assert c.vocab_size == len(tokenizer) and c.head_dim == 64 and c.tie_word_embeddings
+    assert (c.eos_token_id, c.pad_token_id) == (tokenizer.eos_token_id, tokenizer.pad_token_id)
+    assert model.generation_config.eos_token_id == tokenizer.eos_token_id
