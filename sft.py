@@ -1,0 +1,245 @@
+"""SFT cold start: the pi_SFT that VC-PPO starts from (paper §4 setup: "a short Long-CoT SFT").
+
+Trains a tiny Qwen2 from scratch on the built-in task's traces (`task.sft_response`: mostly full
+chains of thought, some merged lines, some shortcuts), with the loss on response tokens only,
+then writes a Hugging Face checkpoint (model + tokenizer) that `train.py` loads as the policy.
+
+    python sft.py --out-dir runs/_shared/sft            # ~5 min on 2 CPU cores, then a report
+    python sft.py --steps 40 --eval-problems 32         # smoke run
+
+The report samples held-out problems at temperature 1 and gives accuracy and length by
+difficulty, the share and accuracy of each strategy, and per-line accuracy of the arithmetic.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+import task
+
+
+@dataclass
+class SFTConfig:
+    out_dir: str = "runs/_shared/sft"
+    """where the checkpoint (model + tokenizer) is written"""
+    seed: int = 0
+    """seeds the model init and the training problems"""
+    steps: int = 500
+    """optimizer steps"""
+    batch_size: int = 32
+    """sequences per optimizer step"""
+    micro_batch_size: int = 16
+    """sequences per forward pass; a step's sequences are sorted by length first to cut padding"""
+    lr: float = 3e-3
+    """peak AdamW learning rate (linear warm-up, then cosine to 10%)"""
+    warmup_steps: int = 20
+    """linear warm-up steps"""
+    weight_decay: float = 0.01
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping"""
+    min_difficulty: int = task.DEFAULT_DIFFICULTY[0]
+    """fewest terms per training problem"""
+    max_difficulty: int = task.DEFAULT_DIFFICULTY[1]
+    """most terms per training problem"""
+    length_bias: float = 1.0
+    """difficulty k is drawn with weight k**-length_bias: short problems are cheaper and teach the
+    same per-line skills; 0 draws k uniformly (as the RL prompts are)"""
+    shortcut_prob: float = 0.3
+    """share of training traces that stop early and box the answer (see task.sft_response)"""
+    merge_prob: float = 0.1
+    """per line: chance of adding two terms at once"""
+    num_layers: int = 3
+    """decoder layers of the tiny model"""
+    hidden_size: int = 128
+    """model width (head_dim is 64, so hidden_size / 64 heads)"""
+    intermediate_size: int = 384
+    """MLP width"""
+    threads: int = 2
+    """torch CPU threads"""
+
+
+def _lr_factor(step: int, cfg: SFTConfig) -> float:
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def sample_problems(rng: random.Random, cfg: SFTConfig) -> list[dict]:
+    """Fresh training problems (never a fixed set, so nothing is memorised), short ones favoured."""
+    ks = list(range(cfg.min_difficulty, cfg.max_difficulty + 1))
+    picks = rng.choices(ks, weights=[k**-cfg.length_bias for k in ks], k=cfg.batch_size)
+    # Seeds from this rng are far from the small seeds of held-out sets (data.py uses 1 and 2).
+    return [task.make_problems(1, rng.randrange(10**6, 2**62), k, k)[0] for k in picks]
+
+
+def make_batch(tokenizer, problems: list[dict], rng: random.Random, cfg: SFTConfig) -> list[tuple[list, list]]:
+    """(input_ids, labels) per problem: prompt + trace + EOS, labels -100 on the prompt."""
+    out = []
+    for p in problems:
+        prompt = tokenizer(p["prompt"], add_special_tokens=False)["input_ids"]
+        response = tokenizer(task.sft_response(p, rng, cfg.shortcut_prob, cfg.merge_prob),
+                             add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        out.append((prompt + response, [-100] * len(prompt) + response))
+    return out
+
+
+def _pad(rows: list[list[int]], value: int) -> torch.Tensor:
+    width = max(len(r) for r in rows)
+    return torch.tensor([r + [value] * (width - len(r)) for r in rows])
+
+
+def sft_loss_sum(model, examples: list[tuple[list, list]], pad_id: int) -> torch.Tensor:
+    """Summed next-token cross-entropy over response tokens (sequences right-padded)."""
+    ids = _pad([e[0] for e in examples], pad_id)
+    labels = _pad([e[1] for e in examples], -100)
+    mask = _pad([[1] * len(e[0]) for e in examples], 0)
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
+    target = labels[:, 1:]
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1),
+                           ignore_index=-100, reduction="sum")
+
+
+def accumulate_gradients(model, batch: list[tuple[list, list]], micro_batch_size: int, pad_id: int) -> float:
+    """Backward of the token-mean loss over the whole batch, in micro-batches; returns that loss."""
+    n_target = sum(sum(1 for x in labels if x != -100) for _, labels in batch)
+    total = 0.0
+    for i in range(0, len(batch), micro_batch_size):
+        loss_sum = sft_loss_sum(model, batch[i : i + micro_batch_size], pad_id)
+        # Divide by the whole batch's target count: every token weighs the same in any split.
+        (loss_sum / n_target).backward()
+        total += loss_sum.item()
+    return total / n_target
+
+
+def train_sft(cfg: SFTConfig, model=None, tokenizer=None) -> dict:
+    """Train pi_SFT and save it to cfg.out_dir; returns a summary (losses, time, path)."""
+    if cfg.steps < 1 or cfg.batch_size < 1 or cfg.micro_batch_size < 1:
+        raise ValueError("steps, batch_size and micro_batch_size must be >= 1")
+    torch.set_num_threads(cfg.threads)
+    tokenizer = tokenizer or task.build_tokenizer()
+    if model is None:
+        model = task.make_tiny_model(tokenizer, num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
+                                     num_heads=cfg.hidden_size // 64, intermediate_size=cfg.intermediate_size,
+                                     seed=cfg.seed)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, cfg))
+    rng = random.Random(cfg.seed)
+    losses, tokens, start = [], 0, time.time()
+    bar = tqdm(range(cfg.steps), desc="sft", dynamic_ncols=True)
+    for step in bar:
+        batch = sorted(make_batch(tokenizer, sample_problems(rng, cfg), rng, cfg), key=lambda e: len(e[0]))
+        losses.append(accumulate_gradients(model, batch, cfg.micro_batch_size, tokenizer.pad_token_id))
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        tokens += sum(len(e[0]) for e in batch)
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", lr=f"{sched.get_last_lr()[0]:.1e}")
+    seconds = time.time() - start
+    out = Path(cfg.out_dir)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    summary = {
+        "out_dir": str(out), "steps": cfg.steps, "seconds": round(seconds, 1), "tokens": tokens,
+        "first_loss": losses[0], "final_loss": sum(losses[-10:]) / len(losses[-10:]),
+        "parameters": sum(p.numel() for p in model.parameters()), "config": asdict(cfg),
+    }
+    print(f"SFT: {cfg.steps} steps, {tokens} tokens in {seconds:.0f} s; loss {summary['first_loss']:.3f} -> "
+          f"{summary['final_loss']:.3f}; {summary['parameters']} parameters; saved to {out}")
+    return summary
+
+
+def evaluate_task(model, tokenizer, problems: list[dict], max_new_tokens: int = 400, batch_size: int = 64,
+                  temperature: float = 1.0, seed: int = 0) -> dict:
+    """Sample one response per problem and report what pi_SFT does (exact-match grading of the box)."""
+    from rollout import HFRollout, decode_responses  # generation backend of the project
+
+    engine = HFRollout(model, tokenizer)
+    rows = []
+    for i in range(0, len(problems), batch_size):
+        chunk = problems[i : i + batch_size]
+        ids = [tokenizer(p["prompt"], add_special_tokens=False)["input_ids"] for p in chunk]
+        batch = engine.generate(ids, max_new_tokens, temperature=temperature, seed=seed + i)
+        for p, text, n in zip(chunk, decode_responses(tokenizer, batch), batch.lengths.tolist()):
+            trace = task.parse_response(p["prompt"], text)
+            rows.append((p, trace, trace.boxed == p["answer"], n))
+    return summarize(rows)
+
+
+def summarize(rows: list[tuple]) -> dict:
+    """rows of (problem, Trace, correct, length) -> accuracy / length by difficulty and by strategy."""
+    def stats(sel):
+        return {"n": len(sel), "accuracy": sum(r[2] for r in sel) / max(1, len(sel)),
+                "mean_length": sum(r[3] for r in sel) / max(1, len(sel))}
+
+    by_diff, by_strategy = defaultdict(list), defaultdict(list)
+    line_ok = {1: [], 2: []}
+    for r in rows:
+        by_diff[r[0]["difficulty"]].append(r)
+        by_strategy[r[1].strategy].append(r)
+        for ok, n in zip(r[1].line_ok, r[1].line_terms):
+            line_ok[min(n, 2)].append(ok)
+    out = stats(rows)
+    out["by_difficulty"] = {d: stats(v) for d, v in sorted(by_diff.items())}
+    out["by_strategy"] = {s: {**stats(v), "share": len(v) / len(rows)} for s, v in sorted(by_strategy.items())}
+    out["line_accuracy"] = {("single" if n == 1 else "merged"): (sum(v) / len(v) if v else None, len(v))
+                            for n, v in line_ok.items()}
+    return out
+
+
+def format_report(report: dict, bucket: int = 4) -> str:
+    """Markdown tables of `evaluate_task`'s result, difficulties grouped by `bucket`."""
+    lines = [f"accuracy {report['accuracy']:.3f}, mean length {report['mean_length']:.1f} tokens, n={report['n']}",
+             "", "| difficulty | n | accuracy | mean length |", "|---|---|---|---|"]
+    groups = defaultdict(list)
+    for d, s in report["by_difficulty"].items():
+        groups[(d - 1) // bucket].append(s)
+    for g, ss in sorted(groups.items()):
+        n = sum(s["n"] for s in ss)
+        acc = sum(s["accuracy"] * s["n"] for s in ss) / n
+        length = sum(s["mean_length"] * s["n"] for s in ss) / n
+        lines.append(f"| {g * bucket + 1}-{g * bucket + bucket} | {n} | {acc:.2f} | {length:.0f} |")
+    lines += ["", "| strategy | share | accuracy | mean length |", "|---|---|---|---|"]
+    for s, v in report["by_strategy"].items():
+        lines.append(f"| {s} | {v['share']:.2f} | {v['accuracy']:.2f} | {v['mean_length']:.0f} |")
+    for kind, (acc, n) in report["line_accuracy"].items():
+        if n:
+            lines.append(f"\nper-line accuracy ({kind} lines): {acc:.3f} over {n} lines")
+    return "\n".join(lines)
+
+
+@dataclass
+class Args(SFTConfig):
+    eval_problems: int = 256
+    """held-out problems sampled (temperature 1) for the report after training; 0 skips it"""
+    eval_seed: int = 1234
+    """seed of the held-out problems and of sampling"""
+
+
+if __name__ == "__main__":
+    import tyro
+
+    args = tyro.cli(Args)
+    train_sft(args)
+    if args.eval_problems:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(args.out_dir)
+        policy = AutoModelForCausalLM.from_pretrained(args.out_dir)
+        held_out = task.make_problems(args.eval_problems, args.eval_seed, args.min_difficulty, args.max_difficulty)
+        t0 = time.time()
+        report = evaluate_task(policy, tok, held_out, seed=args.eval_seed)
+        print(format_report(report))
+        print(f"(evaluation took {time.time() - t0:.0f} s)")

@@ -1,0 +1,82 @@
+"""SFT cold start (sft.py): response-only loss, token-mean accumulation, a smoke run, the report."""
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import sft
+import task
+
+
+def _tiny(tokenizer):
+    return task.make_tiny_model(tokenizer, num_layers=1, hidden_size=64, num_heads=1, intermediate_size=128)
+
+
+def test_loss_targets_are_the_response_and_eos_only():
+    tokenizer = task.build_tokenizer()
+    cfg = sft.SFTConfig(shortcut_prob=0.0, merge_prob=0.0)
+    problems = task.make_problems(5, seed=0, min_difficulty=1, max_difficulty=4)
+    for p, (ids, labels) in zip(problems, sft.make_batch(tokenizer, problems, random.Random(0), cfg)):
+        n_prompt = len(p["prompt"])
+        assert labels[:n_prompt] == [-100] * n_prompt
+        assert labels[n_prompt:] == ids[n_prompt:]
+        assert tokenizer.decode(ids[n_prompt:-1]) == task.full_response(p)
+        assert ids[-1] == tokenizer.eos_token_id
+
+
+def test_micro_batching_leaves_the_gradient_unchanged():
+    torch.manual_seed(0)
+    tokenizer = task.build_tokenizer()
+    model = _tiny(tokenizer)
+    problems = task.make_problems(6, seed=1, min_difficulty=1, max_difficulty=6)
+    batch = sft.make_batch(tokenizer, problems, random.Random(0), sft.SFTConfig())
+    grads = []
+    for micro in (6, 2, 1):
+        model.zero_grad()
+        loss = sft.accumulate_gradients(model, batch, micro, tokenizer.pad_token_id)
+        grads.append((loss, torch.cat([p.grad.flatten() for p in model.parameters()])))
+    for loss, g in grads[1:]:
+        assert loss == pytest.approx(grads[0][0], rel=1e-5)
+        torch.testing.assert_close(g, grads[0][1], rtol=1e-4, atol=1e-6)
+
+
+def test_smoke_run_lowers_the_loss_and_writes_a_loadable_checkpoint(tmp_path):
+    cfg = sft.SFTConfig(out_dir=str(tmp_path / "sft"), steps=30, batch_size=8, micro_batch_size=8, lr=3e-3,
+                        warmup_steps=5, max_difficulty=3, num_layers=1, hidden_size=64, intermediate_size=128)
+    summary = sft.train_sft(cfg)
+    assert summary["final_loss"] < 0.6 * summary["first_loss"]
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "sft")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "sft")
+    text = task.make_problems(1, seed=0)[0]["prompt"]
+    assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
+    assert model.config.num_hidden_layers == 1 and model.config.eos_token_id == tokenizer.eos_token_id
+
+
+def test_bad_config_raises_value_error(tmp_path):
+    with pytest.raises(ValueError):
+        sft.train_sft(sft.SFTConfig(out_dir=str(tmp_path), steps=0))
+
+
+def test_report_counts_strategies_and_line_accuracy():
+    p = task.make_problems(1, seed=2, min_difficulty=3, max_difficulty=3)[0]
+    full = task.full_response(p)
+    lines = full.split("\n")
+    lines[0] = lines[0][:4] + str((int(lines[0][4]) + 1) % 10) + lines[0][5:]  # slip in line 1 only
+    slipped, shortcut = "\n".join(lines), "\\boxed{1}"
+    rows = [(p, task.parse_response(p["prompt"], r), task.parse_response(p["prompt"], r).boxed == p["answer"], len(r))
+            for r in (full, slipped, shortcut, "garbage")]
+    report = sft.summarize(rows)
+    assert report["accuracy"] == 0.5  # the slip only changed a digit of line 1, not the box
+    assert report["by_strategy"]["full"]["share"] == 0.5 and report["by_strategy"]["full"]["accuracy"] == 1.0
+    assert report["by_strategy"]["shortcut"]["accuracy"] == 0.0
+    assert report["line_accuracy"]["single"] == (4 / 6, 6)  # slipped: lines 1 and 2 disagree
+    assert "| 1-4 | 4 | 0.50 |" in sft.format_report(report)
+
+
+def test_evaluate_task_samples_and_parses_an_untrained_model():
+    tokenizer = task.build_tokenizer()
+    problems = task.make_problems(4, seed=3, min_difficulty=1, max_difficulty=2)
+    report = sft.evaluate_task(_tiny(tokenizer), tokenizer, problems, max_new_tokens=8, seed=0)
+    assert report["n"] == 4 and sum(v["share"] for v in report["by_strategy"].values()) == pytest.approx(1.0)
+    assert 0 < report["mean_length"] <= 8
