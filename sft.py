@@ -243,3 +243,19 @@ if __name__ == "__main__":
         report = evaluate_task(policy, tok, held_out, seed=args.eval_seed)
         print(format_report(report))
         print(f"(evaluation took {time.time() - t0:.0f} s)")
+
+
+def prepare_sft(cfg) -> str:
+    """The pi_SFT of a run (`train.py`'s first stage): `--model` when given, else the built-in
+    task's cold start, trained once into <out_dir>/_shared/sft and reused by every later run."""
+    if cfg.model is not None:
+        if not Path(cfg.model, "config.json").is_file():
+            raise FileNotFoundError(f"--model {cfg.model}: no Hugging Face checkpoint (config.json) there")
+        return cfg.model
+    path = Path(cfg.out_dir, "_shared", "sft")
+    if not path.exists():
+        tmp = path.with_name("sft.tmp")  # renamed when complete: a killed SFT is redone, not reused
+        steps = {} if cfg.sft_steps is None else {"steps": cfg.sft_steps}
+        train_sft(SFTConfig(out_dir=str(tmp), **steps))
+        tmp.rename(path)
+    return str(path)
