@@ -27,7 +27,9 @@ info = init_distributed()
 tokenizer, model = tiny_actor(seed=0)
 path = os.path.join(out_dir, "actor")
 export_hf_checkpoint(model, tokenizer, path)  # rank 0 writes, every rank waits
-engine = VLLMRollout(path, tokenizer, tensor_parallel_size=tp, max_model_len=128)
+# One process: start from random ("dummy") weights, so the first sync_weights is what loads them.
+load_format = "dummy" if info.world_size == 1 else "auto"
+engine = VLLMRollout(path, tokenizer, tensor_parallel_size=tp, max_model_len=128, load_format=load_format)
 # Ranks hold different prompts (and counts): rank 0 the first three, rank 1 the last two.
 split = {1: [PROMPTS], 2: [PROMPTS[:3], PROMPTS[3:]]}[info.world_size]
 mine = [tokenizer(p).input_ids for p in split[info.rank]]
@@ -45,8 +47,14 @@ def compare(hf_model):
     }
 
 
-before, result = compare(model)
-result = {"initial": result}
+result = {"generate_before_weights_refused": None}
+if load_format == "dummy":
+    try:
+        engine.generate(mine, 4)
+    except RuntimeError as err:
+        result["generate_before_weights_refused"] = str(err)
+    engine.sync_weights(model)
+before, result["initial"] = compare(model)
 
 # An update that moves the outputs: one AdamW step towards a random continuation.
 actor = shard_model(tiny_actor(seed=0)[1])
