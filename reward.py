@@ -351,13 +351,14 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 def score_rollout(batch, texts: list[str], prompts: list[dict], grader: Grader, cfg):
     """Outcome scores [B], token rewards [B, T] (the score on each response's last token, DESIGN.md)
-    and grader counts. A response cut at max_new_tokens scores `cfg.truncation_reward`."""
+    and grader counts. A response cut at max_new_tokens scores `cfg.truncation_reward` (if set)."""
     import torch
 
     graded = grader.grade(texts, [p["answer"] for p in prompts])
     scores = torch.tensor(graded.rewards, dtype=torch.float32)
-    truncated = torch.tensor([f == "length" for f in batch.finish_reasons])
-    scores = torch.where(truncated, torch.tensor(float(cfg.truncation_reward)), scores)
+    if cfg.truncation_reward is not None:
+        truncated = torch.tensor([f == "length" for f in batch.finish_reasons])
+        scores = torch.where(truncated, torch.tensor(float(cfg.truncation_reward)), scores)
     token_rewards = torch.zeros_like(batch.response_mask)
     token_rewards[torch.arange(len(batch)), batch.lengths - 1] = scores
     counts = {"timeouts": graded.num_timeouts, "missing_box": graded.num_missing_box}

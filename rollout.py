@@ -150,6 +150,12 @@ class HFRollout:
             finish_reasons=finish,
         )
 
+    def sleep(self) -> None:
+        """Nothing to free: this backend generates with the trained model itself."""
+
+    def sync_weights(self, model) -> None:
+        """Nothing to copy: this backend generates with the trained model itself."""
+
 
 class VLLMRollout:
     """Sampling with vLLM in the training process (colocated; `VLLM_ENABLE_V1_MULTIPROCESSING=0`).

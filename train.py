@@ -72,6 +72,8 @@ class Config:
     """longer prompts are dropped (and counted)"""
     eval_fraction: float = 0.1
     """held-out share of --data (the built-in task has its own held-out set)"""
+    sft_steps: int | None = None
+    """built-in task: SFT steps of the cold start (None: sft.py's default)"""
     task_train_size: int = 20000
     """built-in task: number of training problems"""
     task_eval_size: int = 128
@@ -132,8 +134,8 @@ class Config:
     """KL estimator when kl_coef > 0"""
     entropy_coef: float = 0.0
     """entropy bonus"""
-    truncation_reward: float = -1.0
-    """reward of a response cut at max_new_tokens (it is terminal either way)"""
+    truncation_reward: float | None = -1.0
+    """reward of a response cut at max_new_tokens (terminal either way); None: graded like the others"""
 
     # --- rollout
     rollout: Literal["hf", "vllm"] = "hf"
@@ -209,6 +211,7 @@ class Config:
             "eval_samples": self.eval_samples >= 1,
             "eval_fraction": 0.0 < self.eval_fraction < 1.0,
             "save_every": self.save_every >= 1,
+            "sft_steps": self.sft_steps is None or self.sft_steps >= 1,
             "grader_timeout_s": self.grader_timeout_s > 0,
             "run_name": bool(self.run_name) and os.sep not in self.run_name,
         }
@@ -225,7 +228,7 @@ PRESETS = {
         lam_actor=0.99, steps=1000, prompts_per_step=8192, samples_per_prompt=1,
         num_minibatches=16, micro_batch_size=4, actor_lr=1e-6, critic_lr=2e-6,
         lr_warmup_steps=10, rollout="vllm", max_new_tokens=8192, max_prompt_tokens=1024,
-        tensor_parallel_size=4, eval_samples=32, save_every=20, grader_workers=16,
+        tensor_parallel_size=4, eval_samples=32, save_every=20, grader_workers=2,
         mixed_precision=True, activation_checkpointing=True,
     ),
 }
@@ -303,6 +306,7 @@ def ppo_step(cfg, step, actor, critic, optimizers, engine, tokenizer, records, g
         [r["prompt_ids"] for r in prompts], cfg.max_new_tokens, cfg.temperature, cfg.top_p,
         seed=cfg.seed * 1_000_003 + step,
     )
+    engine.sleep()  # colocated vLLM frees its GPU memory for training; woken by sync_weights
     timings["rollout"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()

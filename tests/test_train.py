@@ -1,0 +1,165 @@
+"""End to end: the whole pipeline on a micro config, resume after SIGKILL, config validation."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import train
+from reward import GradeResult
+
+ROOT = Path(__file__).resolve().parents[1]
+# A few seconds per stage: a barely trained pi_SFT, short responses, tiny batches.
+MICRO = [
+    "--sft-steps", "8", "--task-train-size", "64", "--task-eval-size", "4",
+    "--prompts-per-step", "4", "--samples-per-prompt", "2", "--max-new-tokens", "40",
+    "--micro-batch-size", "3", "--num-minibatches", "2", "--eval-samples", "2",
+    "--orm-batches", "1", "--orm-steps", "3", "--grader-workers", "1",
+]
+
+
+def micro_config(out_dir, *extra):
+    return train.parse_config(["--out-dir", str(out_dir), *MICRO, *extra])
+
+
+@pytest.fixture(scope="module")
+def out_dir(tmp_path_factory):
+    """One output root per module, so every test reuses the same cached pi_SFT."""
+    return tmp_path_factory.mktemp("runs")
+
+
+@pytest.fixture(scope="module")
+def sft(out_dir):
+    """The micro pi_SFT of this module, trained once by train.py's own SFT stage."""
+    from sft import prepare_sft
+
+    return prepare_sft(micro_config(out_dir))
+
+
+def read_metrics(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_micro_pipeline_runs_every_stage_and_logs_every_step(out_dir, sft):
+    cfg = micro_config(out_dir, "--run-name", "micro", "--steps", "2", "--value-pretrain-steps", "2",
+                       "--critic-init", "rm")
+    summary = train.main(cfg)
+    run_dir = out_dir / "micro"
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [0, 1]
+    for key in ("response_length/mean", "reward/accuracy", "actor/pg_loss", "critic/vf_loss",
+                "critic/vf_explained_var", "actor/pg_clipfrac_low", "actor/approx_kl", "actor/entropy",
+                "actor/grad_norm", "advantage/pos_bin0", "time/rollout", "perf/tokens_per_s"):
+        assert key in rows[0], key
+    assert (out_dir / "_shared" / "sft" / "config.json").exists()
+    assert (out_dir / "_shared" / "orm" / "config.json").exists()
+    assert (run_dir / "value_pretrain" / "curve.jsonl").exists()
+    assert (run_dir / "checkpoint").is_dir() and (run_dir / "summary.json").exists()
+    assert 0.0 <= summary["ppo"]["pass@1"] <= summary["ppo"]["pass@2"] <= 1.0
+
+
+def test_critic_from_orm_and_from_sft_differ_only_in_the_head_source(out_dir, sft):
+    from critic import load_value_model
+
+    from_sft = load_value_model(sft)
+    orm = load_value_model(str(out_dir / "_shared" / "orm"))  # written by the micro pipeline test
+    assert from_sft.score.bias.item() == 0.0  # fresh head on pi_SFT
+    assert orm.score.bias.item() != 0.0  # trained head of the reward model
+    sft_layer = from_sft.model.layers[0].mlp.up_proj.weight
+    orm_layer = orm.model.layers[0].mlp.up_proj.weight
+    assert sft_layer.shape == orm_layer.shape and not sft_layer.equal(orm_layer)  # ORM backbone trained
+
+
+class ShortProblemGrader:
+    """+1 when the problem's answer is below a threshold (the median: short sums have small
+    answers): an outcome that varies across prompts and that a critic can learn from the
+    prompt's length alone."""
+
+    def __init__(self, threshold: int):
+        self.threshold = threshold
+
+    def grade(self, responses, answers):
+        rewards = [1.0 if int(answer) < self.threshold else -1.0 for answer in answers]
+        return GradeResult(rewards=rewards, num_timeouts=0, num_missing_box=0)
+
+
+def test_value_pretraining_lowers_value_loss_and_raises_explained_variance(out_dir, tmp_path):
+    import torch
+
+    import task
+    from critic import load_value_model
+    from data import prepare_data
+    from rollout import HFRollout
+    from value_pretrain import pretrain_value
+
+    cfg = micro_config(out_dir, "--value-pretrain-steps", "20", "--prompts-per-step", "8",
+                       "--max-new-tokens", "8", "--truncation-reward", "None",
+                       "--critic-lr", "3e-4",
+                       "--plateau-window", "100")
+    tokenizer = task.build_tokenizer()
+    policy = task.make_tiny_model(tokenizer, num_layers=2, intermediate_size=256, seed=0)
+    policy.save_pretrained(tmp_path / "policy")
+    records, _ = prepare_data(cfg, tokenizer)
+    median = sorted(int(r["answer"]) for r in records)[len(records) // 2]
+    critic = load_value_model(str(tmp_path / "policy"))
+    optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr)
+    history = pretrain_value(cfg, critic, optimizer, HFRollout(policy, tokenizer), tokenizer, records,
+                             ShortProblemGrader(median), str(tmp_path / "value_pretrain"))
+    first, last = history[:3], history[-3:]
+    mean = lambda rows, key: sum(r[key] for r in rows) / len(rows)
+    assert mean(last, "value_loss") < 0.5 * mean(first, "value_loss")
+    assert mean(last, "explained_variance") > mean(first, "explained_variance") + 0.2
+    assert (tmp_path / "value_pretrain" / "critic" / "config.json").exists()
+    assert (tmp_path / "value_pretrain" / "curve.jsonl").exists()
+
+
+@pytest.mark.parametrize("flag, value", [
+    ("--lam-actor", "1.5"), ("--lam-critic", "-0.1"), ("--actor-lr", "0"), ("--top-p", "0"),
+    ("--samples-per-prompt", "0"), ("--run-name", "a/b"), ("--clip-low", "1.0"),
+])
+def test_bad_config_values_fail_at_start_naming_the_field(flag, value):
+    with pytest.raises(SystemExit, match=flag):
+        train.parse_config([flag, value])
+
+
+def test_grpo_needs_two_samples_per_prompt():
+    with pytest.raises(SystemExit, match="--samples-per-prompt"):
+        train.parse_config(["--estimator", "grpo", "--samples-per-prompt", "1"])
+
+
+def run_cli(out_dir, name, *extra):
+    cmd = [sys.executable, str(ROOT / "train.py"), "--out-dir", str(out_dir), *MICRO, "--run-name", name,
+           "--steps", "5", "--save-every", "1", "--value-pretrain-steps", "1", *extra]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.slow
+def test_run_killed_mid_way_resumes_to_the_same_final_metrics(out_dir, sft):
+    full = run_cli(out_dir, "uninterrupted")
+    assert full.wait(timeout=300) == 0, full.stderr.read()[-3000:]
+
+    killed = run_cli(out_dir, "killed")
+    metrics = out_dir / "killed" / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline:  # kill once step 2 is logged (checkpoint of step 1 or 2 exists)
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.2)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    assert not (out_dir / "killed" / "summary.json").exists()
+
+    resumed = run_cli(out_dir, "killed", "--resume")
+    assert resumed.wait(timeout=300) == 0, resumed.stderr.read()[-3000:]
+    a, b = read_metrics(out_dir / "uninterrupted"), read_metrics(out_dir / "killed")
+    assert [r["step"] for r in b] == list(range(5))
+    for ra, rb in zip(a, b):
+        for key, value in ra.items():
+            if not key.startswith(("time/", "perf/")):
+                assert rb[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (ra["step"], key)
