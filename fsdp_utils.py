@@ -201,6 +201,8 @@ def export_hf_checkpoint(
         os.makedirs(tmp)
         config = copy.deepcopy(model.config)
         config.dtype = dtype or next(iter(state.values())).dtype
+        # What save_pretrained records: loaders tell a critic (scalar head) from a causal LM by it.
+        config.architectures = [type(model).__name__.removeprefix("FSDP")]  # fully_shard renames
         config.save_pretrained(tmp)
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(tmp)

@@ -374,6 +374,7 @@ def prepare_orm(cfg, sft_path: str, engine, tokenizer, records: list[dict], grad
 
     from critic import load_value_model
     from data import sample_prompts
+    from fsdp_utils import export_hf_checkpoint
     from rollout import decode_responses
 
     path = os.path.join(cfg.out_dir, "_shared", "orm" if cfg.model is None else f"orm-{cfg.run_name}")
@@ -389,9 +390,7 @@ def prepare_orm(cfg, sft_path: str, engine, tokenizer, records: list[dict], grad
         labels.append(scores)
     model = load_value_model(sft_path)
     history = train_orm(model, batches, labels, steps=cfg.orm_steps, lr=cfg.orm_lr)
-    model.save_pretrained(path + ".tmp")
-    tokenizer.save_pretrained(path + ".tmp")
-    os.replace(path + ".tmp", path)
+    export_hf_checkpoint(model, tokenizer, path)
     last = history[-1]
     tqdm.write(f"ORM: {cfg.orm_steps} steps on {sum(map(len, batches))} graded samples, "
                f"loss {last['orm/loss']:.3f}, sign accuracy {last['orm/sign_accuracy']:.2f} -> {path}")

@@ -25,7 +25,7 @@ from typing import Literal
 import torch
 import tyro
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import fsdp_utils
 from critic import assert_finite, load_value_model, response_values
@@ -106,7 +106,7 @@ class Config:
     """passes over each rollout batch"""
     num_minibatches: int = 2
     """optimizer steps per epoch"""
-    micro_batch_size: int = 32
+    micro_batch_size: int = 16
     """rows per forward/backward (gradient accumulation; does not change the result)"""
     actor_lr: float = 5e-5
     """actor learning rate (AdamW)"""
@@ -226,7 +226,7 @@ PRESETS = {
     "qwen2.5-32b": Config(  # PAPER.md §5 (VAPO's PPO settings; no KL, lambda_critic = 1)
         preset="qwen2.5-32b", run_name="vcppo__qwen2.5-32b__seed0", value_pretrain_steps=100,
         lam_actor=0.99, steps=1000, prompts_per_step=8192, samples_per_prompt=1,
-        num_minibatches=16, micro_batch_size=4, actor_lr=1e-6, critic_lr=2e-6,
+        num_minibatches=16, micro_batch_size=1, actor_lr=1e-6, critic_lr=2e-6,
         lr_warmup_steps=10, rollout="vllm", max_new_tokens=8192, max_prompt_tokens=1024,
         tensor_parallel_size=4, eval_samples=32, save_every=20, grader_workers=2,
         mixed_precision=True, activation_checkpointing=True,
@@ -368,10 +368,17 @@ def ppo_step(cfg, step, actor, critic, optimizers, engine, tokenizer, records, g
     return metrics
 
 
+def shard(cfg, model, dist_info):
+    """FSDP2 under torchrun (which places each shard on this rank's device itself); one process
+    keeps the model whole and only moves it to the device."""
+    if dist_info.world_size == 1:
+        return model.to(dist_info.device)
+    return fsdp_utils.shard_model(model, cfg.mixed_precision, cfg.activation_checkpointing, cfg.cpu_offload)
+
+
 def load_actor(cfg, path: str, dist_info):
-    """pi_SFT as a causal LM, sharded with FSDP2 under torchrun (unchanged in one process)."""
-    actor = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(dist_info.device)
-    return fsdp_utils.shard_model(actor, cfg.mixed_precision, cfg.activation_checkpointing, cfg.cpu_offload)
+    """pi_SFT as a causal LM."""
+    return shard(cfg, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), dist_info)
 
 
 def build_engine(cfg, actor, path: str, tokenizer):
@@ -379,6 +386,7 @@ def build_engine(cfg, actor, path: str, tokenizer):
     if cfg.rollout == "hf":
         return HFRollout(actor, tokenizer)
     return VLLMRollout(path, tokenizer, tensor_parallel_size=cfg.tensor_parallel_size,
+                       max_model_len=cfg.max_prompt_tokens + cfg.max_new_tokens,
                        gpu_memory_utilization=cfg.gpu_memory_utilization, seed=cfg.seed)
 
 
@@ -419,7 +427,26 @@ def save(cfg, run_dir, step, actor, critic, optimizers, schedulers):
     )
 
 
+def print_plan(cfg: Config) -> None:
+    """--plan: per-GPU memory of this config at torchrun's world size (16 when not under torchrun)."""
+    import memory_plan
+
+    shape = memory_plan.QWEN25_32B  # --plan without --model: the paper's model
+    if cfg.model is not None:
+        shape = memory_plan.ModelShape.from_config(AutoConfig.from_pretrained(cfg.model))
+    print(memory_plan.plan(
+        shape, int(os.environ.get("WORLD_SIZE", 16)),
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        micro_batch_tokens=cfg.micro_batch_size * (cfg.max_prompt_tokens + cfg.max_new_tokens),
+        gpu_memory_utilization=cfg.gpu_memory_utilization, mixed_precision=cfg.mixed_precision,
+        activation_checkpointing=cfg.activation_checkpointing, cpu_offload=cfg.cpu_offload,
+    ))
+
+
 def main(cfg: Config) -> dict:
+    if cfg.plan:
+        print_plan(cfg)
+        return {}
     dist_info = fsdp_utils.init_distributed()
     torch.manual_seed(cfg.seed)
     run_dir = os.path.join(cfg.out_dir, cfg.run_name)
@@ -438,13 +465,13 @@ def main(cfg: Config) -> dict:
     summary = {"sft": evaluate(cfg, engine, tokenizer, eval_records, grader, "sft")}
 
     critic_init = prepare_orm(cfg, sft_path, engine, tokenizer, train_records, grader)
-    critic = load_value_model(critic_init).to(dist_info.device)
-    critic_opt = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr, weight_decay=0.0)
     vp_dir = os.path.join(run_dir, "value_pretrain")
+    pretrained = cfg.value_pretrain_steps > 0 and os.path.exists(os.path.join(vp_dir, "critic"))
+    critic = shard(cfg, load_value_model(os.path.join(vp_dir, "critic") if pretrained else critic_init),
+                   dist_info)
+    critic_opt = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr, weight_decay=0.0)
     if cfg.value_pretrain_steps > 0 and cfg.estimator == "gae":
-        if os.path.exists(os.path.join(vp_dir, "critic")):
-            critic = load_value_model(os.path.join(vp_dir, "critic")).to(dist_info.device)
-        else:
+        if not pretrained:
             history = pretrain_value(cfg, critic, critic_opt, engine, tokenizer, train_records, grader, vp_dir)
             summary["value_pretrain"] = history[-1]
         critic_opt = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr, weight_decay=0.0)

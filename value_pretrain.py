@@ -17,10 +17,12 @@ import json
 import os
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 from critic import assert_finite, response_values
 from data import sample_prompts
+from fsdp_utils import export_hf_checkpoint
 from gae import compute_gae
 from ppo import explained_variance, update_model, value_loss
 from reward import score_rollout
@@ -80,9 +82,10 @@ def pretrain_value(cfg, critic, critic_optimizer, engine, tokenizer, records, gr
         if plateaued(history, cfg.plateau_window, cfg.plateau_rel_tol, cfg.plateau_ev_tol):
             tqdm.write(f"value pretraining: converged at step {step} (loss and EV plateaued)")
             break
-    critic.save_pretrained(os.path.join(out_dir, "critic"))
-    with open(os.path.join(out_dir, "curve.jsonl"), "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in history)
+    export_hf_checkpoint(critic, None, os.path.join(out_dir, "critic"))  # collective under torchrun
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        with open(os.path.join(out_dir, "curve.jsonl"), "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in history)
     return history
 
 
