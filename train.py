@@ -46,8 +46,8 @@ class Config:
     # --- general
     preset: Literal["tiny", "qwen2.5-32b"] = "tiny"
     """defaults: `tiny` (built-in task, CPU, minutes) or `qwen2.5-32b` (the paper's settings)"""
-    run_name: str = "vcppo__tiny__seed0"
-    """outputs go to <out_dir>/<run_name>/"""
+    run_name: str | None = None
+    """outputs go to <out_dir>/<run_name>/; None: <preset>__<critic_init>__seed<seed>"""
     out_dir: str = "runs"
     """root of all outputs; built-in-task SFT and reward models are cached in <out_dir>/_shared/"""
     seed: int = 0
@@ -213,7 +213,7 @@ class Config:
             "save_every": self.save_every >= 1,
             "sft_steps": self.sft_steps is None or self.sft_steps >= 1,
             "grader_timeout_s": self.grader_timeout_s > 0,
-            "run_name": bool(self.run_name) and os.sep not in self.run_name,
+            "run_name": self.run_name is None or (bool(self.run_name) and os.sep not in self.run_name),
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
@@ -224,7 +224,7 @@ class Config:
 PRESETS = {
     "tiny": Config(),
     "qwen2.5-32b": Config(  # PAPER.md §5 (VAPO's PPO settings; no KL, lambda_critic = 1)
-        preset="qwen2.5-32b", run_name="vcppo__qwen2.5-32b__seed0", value_pretrain_steps=100,
+        preset="qwen2.5-32b", value_pretrain_steps=100,
         lam_actor=0.99, steps=1000, prompts_per_step=8192, samples_per_prompt=1,
         num_minibatches=16, micro_batch_size=1, actor_lr=1e-6, critic_lr=2e-6,
         lr_warmup_steps=10, rollout="vllm", max_new_tokens=8192, max_prompt_tokens=1024,
@@ -249,6 +249,8 @@ def parse_config(argv: list[str]) -> Config:
         cfg.validate()
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
+    if cfg.run_name is None:
+        cfg = dataclasses.replace(cfg, run_name=f"{cfg.preset}__{cfg.critic_init}__seed{cfg.seed}")
     return cfg
 
 
