@@ -1,0 +1,344 @@
+"""Advantage and value by token position on pi_SFT's rollouts (paper §3.1, Fig. 2; PAPER.md §1, cause 1).
+
+At the start of PPO the policy is pi_SFT. Its rollouts are scored (+-1 on the last token) and three
+critics read V(s_t) on them: the outcome reward model (plain PPO's critic initialisation), pi_SFT with
+a fresh head, and the value-pretrained critic (§3.2). GAE (Eq. 5) with lambda 0.95 and 1.0 turns each
+into advantages. With an exact critic E[A_t] = 0 at every position, so the mean advantage by position
+shows each critic's bias; the mean Monte-Carlo return (the lambda = 1 target, the same for every
+critic) is what V(s_t) should be on average. The paper's Fig. 2 has early tokens biased UP; report
+the sign measured here (the prototype of /work/shared/TASK_NOTES.md found it negative).
+
+    python analysis/advantage_bias.py                 # critics of runs/: writes runs/analysis/advantage_bias.*
+    python analysis/advantage_bias.py --build         # first runs train.py's missing stages (SFT, ORM, §3.2)
+    python analysis/advantage_bias.py --pipeline.run-name myrun --critic PATH --rollouts 64
+"""
+import sys; from pathlib import Path; sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # repo root
+
+import dataclasses
+import json
+import os
+import time
+from dataclasses import dataclass
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+import tyro
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from critic import load_value_model, response_values
+from data import prepare_data, sample_prompts
+from gae import compute_gae
+from ppo import masked_mean, masked_sum
+from reward import Grader, prepare_orm, score_rollout
+from rollout import HFRollout, decode_responses
+from sft import prepare_sft
+from train import Config
+from value_pretrain import pretrain_value
+
+CRITICS = ("orm", "sft", "pretrained")
+LABELS = {"orm": "ORM-initialised", "sft": "SFT + fresh head", "pretrained": "value-pretrained (§3.2)"}
+
+
+@dataclass
+class Args:
+    out: Path = Path("runs/analysis")
+    """folder that receives advantage_bias.png, .md and .json"""
+    pipeline: Config = dataclasses.field(default_factory=Config)
+    """train.py's settings (pass the run's own): paths, task, sampling, reward, and what --build runs"""
+    sft: str | None = None
+    """pi_SFT checkpoint; None: train.py's (--pipeline.model, else <out_dir>/_shared/sft)"""
+    orm: str | None = None
+    """outcome reward model; None: train.py's cache (<out_dir>/_shared/orm, or orm-<run_name> with --pipeline.model)"""
+    critic: str | None = None
+    """value-pretrained critic; None: <out_dir>/<run_name>/value_pretrain/critic"""
+    build: bool = False
+    """run train.py's missing stages first (SFT, ORM, value pretraining) instead of skipping a critic"""
+    rollouts: int = 128
+    """responses sampled from pi_SFT (one per prompt)"""
+    batch_size: int = 32
+    """responses per generate call and per critic forward"""
+    bin_size: int = 16
+    """token positions per bin"""
+    lambdas: tuple[float, ...] = (0.95, 1.0)
+    """GAE lambdas (gamma from --pipeline.gamma)"""
+    seed: int = 0
+    """seeds the prompts, the samples and the fresh critic head"""
+
+
+@dataclass
+class BiasResult:
+    lambdas: tuple[float, ...]
+    bin_size: int
+    bin_start: np.ndarray  # [n_bins] first token position of each bin
+    tokens: np.ndarray  # [n_bins] valid response tokens per bin
+    mc_return: np.ndarray  # [n_bins] mean lambda = 1 return (outcome): what V(s_t) should be on average
+    values: dict[str, np.ndarray]  # critic -> [n_bins] mean V(s_t)
+    advantages: dict[str, dict[float, np.ndarray]]  # critic -> lambda -> [n_bins] mean A_t
+    pearson: dict[str, dict[float, float]]  # critic -> lambda -> token-level corr(A_t, t)
+    first_bin_se: dict[str, dict[float, float]]  # standard error of the first bin's mean, over responses
+    skipped: dict[str, str]  # critic -> why it has no curve
+    rollout: dict  # responses, mean length, accuracy, truncated share, seconds
+
+
+def check_args(args: Args) -> None:
+    problems = {
+        "rollouts": args.rollouts >= 2, "batch_size": args.batch_size >= 1, "bin_size": args.bin_size >= 1,
+        "lambdas": bool(args.lambdas) and all(0.0 <= lam <= 1.0 for lam in args.lambdas),
+    }
+    bad = [name for name, ok in problems.items() if not ok]
+    if bad:
+        raise ValueError(f"--{bad[0].replace('_', '-')} = {getattr(args, bad[0])!r} is invalid "
+                         "(rollouts >= 2, batch size and bin size >= 1, lambdas in [0, 1])")
+    args.pipeline.validate()
+
+
+def default_paths(args: Args) -> dict[str, str]:
+    """Where train.py writes (or wrote) pi_SFT and each critic, unless a flag names another path."""
+    cfg = args.pipeline
+    sft = args.sft or cfg.model or os.path.join(cfg.out_dir, "_shared", "sft")
+    orm_name = "orm" if cfg.model is None else f"orm-{cfg.run_name}"  # reward.prepare_orm's cache
+    return {
+        "sft": sft,
+        "orm": args.orm or os.path.join(cfg.out_dir, "_shared", orm_name),
+        "pretrained": args.critic or os.path.join(cfg.out_dir, cfg.run_name, "value_pretrain", "critic"),
+    }
+
+
+def build_missing(args: Args, paths: dict, engine, tokenizer, records, grader) -> None:
+    """--build: train.py's ORM and value-pretraining stages (SFT is built before the engine exists)."""
+    cfg = args.pipeline
+    if args.orm is None and not os.path.exists(paths["orm"]):
+        prepare_orm(dataclasses.replace(cfg, critic_init="rm"), paths["sft"], engine, tokenizer, records, grader)
+    if args.critic is None and not os.path.exists(paths["pretrained"]) and cfg.value_pretrain_steps > 0:
+        torch.manual_seed(cfg.seed)  # the fresh head, as in train.main
+        critic = load_value_model(prepare_orm(cfg, paths["sft"], engine, tokenizer, records, grader))
+        optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr, weight_decay=0.0)
+        pretrain_value(cfg, critic, optimizer, engine, tokenizer, records, grader,
+                       os.path.dirname(paths["pretrained"]))
+
+
+def sample_rollouts(args: Args, engine, tokenizer, records, grader) -> list:
+    """pi_SFT's scored responses: [(RolloutBatch, token rewards [B, T], scores [B])]."""
+    cfg = dataclasses.replace(args.pipeline, prompts_per_step=args.batch_size, samples_per_prompt=1,
+                              seed=args.seed)
+    out = []
+    for i in tqdm(range(-(-args.rollouts // args.batch_size)), desc="pi_SFT rollouts", leave=False):
+        prompts = sample_prompts(records, cfg, i, stream="advantage_bias")[: args.rollouts - i * args.batch_size]
+        batch = engine.generate([p["prompt_ids"] for p in prompts], cfg.max_new_tokens, cfg.temperature,
+                                cfg.top_p, seed=args.seed * 1_000_003 + 900_000 + i)
+        scores, token_rewards, _ = score_rollout(batch, decode_responses(tokenizer, batch), prompts, grader, cfg)
+        out.append((batch, token_rewards, scores))
+    return out
+
+
+def position_sums(rollouts, critic, lambdas, gamma, width: int, bin_size: int) -> dict:
+    """Per-position sums (float64, [width]) over every valid token of every rollout: token count,
+    lambda = 1 return, V(s_t) and A_t per lambda; sum A_t^2 per lambda (for the correlation); and
+    each response's own mean A_t over the first bin (for a standard error over responses)."""
+    z = lambda: np.zeros(width)
+    sums = {"count": z(), "ret": z(), "value": z(), "adv": {lam: z() for lam in lambdas},
+            "adv_sq": {lam: 0.0 for lam in lambdas}, "first_bin": {lam: [] for lam in lambdas}}
+
+    def add(key, x, mask, lam=None):
+        s = masked_sum(x.double(), mask.double(), dim=0).numpy()  # over responses: [T]
+        target = sums[key] if lam is None else sums[key][lam]
+        target[: len(s)] += s
+
+    for batch, rewards, _ in rollouts:
+        mask = batch.response_mask
+        values = response_values(critic, batch) if critic is not None else torch.zeros_like(mask)
+        add("count", mask, mask)
+        add("value", values, mask)
+        add("ret", compute_gae(rewards, values, mask, gamma, lam=1.0)[1], mask)  # R_t at lambda = 1 (Eq. 5)
+        for lam in lambdas:
+            adv, _ = compute_gae(rewards, values, mask, gamma, lam=lam)  # Eq. 5
+            add("adv", adv, mask, lam)
+            sums["adv_sq"][lam] += float(masked_sum(adv.double() ** 2, mask.double()))
+            sums["first_bin"][lam] += masked_mean(adv[:, :bin_size], mask[:, :bin_size], dim=1).tolist()
+    return sums
+
+
+def pearson_with_position(count, adv_sum, adv_sq_sum) -> float:
+    """Token-level Pearson correlation of A_t with t, from per-position sums (NaN if either is constant)."""
+    t = np.arange(len(count), dtype=np.float64)
+    n, sx, sxx = count.sum(), (t * count).sum(), (t * t * count).sum()
+    sy, sxy = adv_sum.sum(), (t * adv_sum).sum()
+    cov, var_x, var_y = n * sxy - sx * sy, n * sxx - sx**2, n * adv_sq_sum - sy**2
+    if var_x <= 0 or var_y <= 1e-12 * n * adv_sq_sum:  # one position, or A_t the same everywhere
+        return float("nan")
+    return float(np.clip(cov / np.sqrt(var_x * var_y), -1.0, 1.0))
+
+
+def bin_sums(per_position: np.ndarray, bin_size: int) -> np.ndarray:
+    """Sums of consecutive groups of bin_size positions (the last group may be shorter)."""
+    return np.pad(per_position, (0, -len(per_position) % bin_size)).reshape(-1, bin_size).sum(1)
+
+
+def binned(per_position: np.ndarray, count: np.ndarray, bin_size: int) -> np.ndarray:
+    """Masked mean per bin: the bin's summed values over its token count."""
+    return bin_sums(per_position, bin_size) / np.maximum(bin_sums(count, bin_size), 1)
+
+
+def measure(args: Args, rollouts, paths: dict) -> BiasResult:
+    """Binned values and advantages of every critic found at `paths`, on the same rollouts."""
+    width = max(int(b.lengths.max()) for b, _, _ in rollouts)
+    values, advantages, pearson, first_se, skipped, common = {}, {}, {}, {}, {}, None
+    for name in CRITICS:
+        path = paths[name]
+        if not Path(path, "config.json").is_file():
+            hint = {"orm": "train.py --critic-init rm", "sft": "train.py",
+                    "pretrained": "train.py --value-pretrain-steps N"}[name]
+            skipped[name] = f"no checkpoint at {path} (run `{hint}` first, or pass --build)"
+            tqdm.write(f"advantage_bias: {LABELS[name]} critic skipped: {skipped[name]}")
+            continue
+        torch.manual_seed(args.seed)  # the fresh head of the SFT critic
+        critic = load_value_model(path).eval()  # pi_SFT gets a new N(0, 0.02) head; critics keep theirs
+        with torch.no_grad():
+            s = position_sums(rollouts, critic, args.lambdas, args.pipeline.gamma, width, args.bin_size)
+        del critic
+        common = s
+        values[name] = binned(s["value"], s["count"], args.bin_size)
+        advantages[name] = {lam: binned(s["adv"][lam], s["count"], args.bin_size) for lam in args.lambdas}
+        pearson[name] = {lam: pearson_with_position(s["count"], s["adv"][lam], s["adv_sq"][lam])
+                         for lam in args.lambdas}
+        first_se[name] = {lam: float(np.std(s["first_bin"][lam], ddof=1) / np.sqrt(len(s["first_bin"][lam])))
+                          for lam in args.lambdas}
+    if common is None:  # no critic at all: positions and returns only
+        common = position_sums(rollouts, None, (), args.pipeline.gamma, width, args.bin_size)
+    lengths = torch.cat([b.lengths for b, _, _ in rollouts]).float()
+    scores = torch.cat([s for _, _, s in rollouts])
+    finish = [f for b, _, _ in rollouts for f in b.finish_reasons]
+    return BiasResult(
+        lambdas=args.lambdas, bin_size=args.bin_size, bin_start=np.arange(0, width, args.bin_size),
+        tokens=bin_sums(common["count"], args.bin_size),
+        mc_return=binned(common["ret"], common["count"], args.bin_size), values=values,
+        advantages=advantages, pearson=pearson, first_bin_se=first_se, skipped=skipped,
+        rollout={"responses": len(lengths), "mean_length": lengths.mean().item(), "max_length": width,
+                 "accuracy": (scores > 0).float().mean().item(),
+                 "truncated": sum(f == "length" for f in finish) / len(finish)},
+    )
+
+
+def sign_sentence(mean: float, se: float) -> str:
+    if abs(mean) <= 2 * se:
+        return "not distinguishable from 0 (within 2 standard errors)"
+    if mean > 0:
+        return "POSITIVE, early tokens favoured (the paper's Fig. 2 sign)"
+    return "NEGATIVE, early tokens penalised (the paper's Fig. 2 is positive)"
+
+
+def plot(r: BiasResult, path: Path) -> None:
+    fig, (adv_ax, val_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
+    x = r.bin_start + (r.bin_size - 1) / 2
+    styles = ["-", "--", ":", "-."]
+    for i, name in enumerate(CRITICS):
+        if name not in r.values:
+            continue
+        for j, (lam, adv) in enumerate(r.advantages[name].items()):
+            adv_ax.plot(x, adv, styles[j % 4], color=f"C{i}", marker="o", ms=3, label=f"{LABELS[name]}, λ={lam:g}")
+        val_ax.plot(x, r.values[name], color=f"C{i}", marker="o", ms=3, label=LABELS[name])
+    val_ax.plot(x, r.mc_return, "k--", label="mean return (λ=1 target)")
+    adv_ax.axhline(0, color="grey", lw=0.8)
+    adv_ax.set(xlabel="response token position t", ylabel=f"mean advantage A_t (bins of {r.bin_size})",
+               title="advantage by position (0 for an exact critic)")
+    val_ax.set(xlabel="response token position t", ylabel="mean V(s_t)", title="value by position")
+    adv_ax.legend(fontsize=7, handlelength=3)  # long enough to show the dashes
+    val_ax.legend(fontsize=7)
+    ro = r.rollout
+    fig.suptitle(f"pi_SFT rollouts: {ro['responses']} responses, mean length {ro['mean_length']:.0f}, "
+                 f"accuracy {ro['accuracy']:.2f}" + (f"; skipped: {', '.join(r.skipped)}" if r.skipped else ""))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def markdown(r: BiasResult, paths: dict, gamma: float, seconds: dict) -> str:
+    ro, lams = r.rollout, r.lambdas
+    summary, signs = [], []
+    for name in r.values:
+        for lam in lams:
+            adv = r.advantages[name][lam]
+            all_mean = float((adv * r.tokens).sum() / r.tokens.sum())
+            se = r.first_bin_se[name][lam]
+            summary.append(f"| {LABELS[name]} | {lam:g} | {r.pearson[name][lam]:+.3f} | {adv[0]:+.3f} ± {2 * se:.3f} | "
+                           f"{all_mean:+.3f} | {r.values[name][0]:+.3f} |")
+            signs.append(f"- {LABELS[name]}, lambda = {lam:g}: first-bin mean advantage {adv[0]:+.3f} "
+                         f"(all tokens {all_mean:+.3f}): {sign_sentence(adv[0], se)}.")
+    names = list(r.values)
+    head = ("| tokens t | n tokens | mean return | " + " | ".join(f"V {name}" for name in names)
+            + "".join(f" | A {name} λ={lam:g}" for name in names for lam in lams) + " |")
+    rows = [f"| {b}-{b + r.bin_size - 1} | {int(n)} | {ret:+.3f} | " + " | ".join(f"{r.values[m][k]:+.3f}" for m in names)
+            + "".join(f" | {r.advantages[m][lam][k]:+.3f}" for m in names for lam in lams) + " |"
+            for k, (b, n, ret) in enumerate(zip(r.bin_start, r.tokens, r.mc_return))]
+    horizons = ", ".join(f"{ro['mean_length'] * (1 - lam):.1f} at lambda={lam:g}" for lam in lams if lam < 1)
+    return "\n".join([
+        "# Advantage and value by token position on pi_SFT rollouts (paper §3.1, Fig. 2)", "",
+        f"{ro['responses']} responses of pi_SFT ({paths['sft']}): mean length {ro['mean_length']:.1f} tokens, "
+        f"accuracy {ro['accuracy']:.3f}, truncated {ro['truncated']:.3f}. GAE with gamma = {gamma:g}; means over "
+        f"the valid tokens of each bin of {r.bin_size} positions. Mean length in GAE horizons, length x "
+        f"(1 - lambda): {horizons or 'n/a'}.", "",
+        "Critics: " + "; ".join(f"{LABELS[n]} = {paths[n]}" for n in CRITICS) + ". "
+        "The SFT critic has a fresh N(0, 0.02) head (critic.load_value_model).", "",
+        "| critic | lambda | Pearson r(A_t, t), token level | mean A_t, first bin ± 2 SE | mean A_t, all tokens "
+        "| mean V(s_t), first bin |", "|---|---|---|---|---|---|", *summary, "",
+        f"Mean return (lambda = 1 target, same for every critic), first bin: {r.mc_return[0]:+.3f}.", "",
+        "Sign measured (SE over responses of each response's own first-bin mean):", *signs,
+        *[f"- {LABELS[n]}: skipped, {why}." for n, why in r.skipped.items()], "",
+        "For an exact critic every bin's expected mean advantage is 0 (reaching position t is part of s_t); "
+        "a deviation is the critic's bias plus sampling noise. Late bins hold only the long responses, so "
+        "they are few and noisy (see n tokens).", "",
+        "## By position", "", head, "|---|---|---|" + "---|" * (len(names) + len(names) * len(lams)), *rows, "",
+        f"Runtime: rollouts {seconds['rollouts']:.1f} s, critics {seconds['critics']:.1f} s "
+        "(2 shared CPU cores).", "",
+    ])
+
+
+def to_json(r: BiasResult) -> dict:
+    return {
+        "lambdas": list(r.lambdas), "bin_size": r.bin_size, "bin_start": r.bin_start.tolist(), "tokens": r.tokens.tolist(),
+        "mc_return": r.mc_return.tolist(), "values": {k: v.tolist() for k, v in r.values.items()},
+        "advantages": {k: {str(lam): a.tolist() for lam, a in v.items()} for k, v in r.advantages.items()},
+        "pearson": {k: {str(lam): c for lam, c in v.items()} for k, v in r.pearson.items()},
+        "first_bin_se": {k: {str(lam): c for lam, c in v.items()} for k, v in r.first_bin_se.items()},
+        "skipped": r.skipped, "rollout": r.rollout,
+    }
+
+
+def main(args: Args) -> BiasResult:
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    check_args(args)
+    cfg, paths = args.pipeline, default_paths(args)
+    if args.build and args.sft is None:
+        paths["sft"] = prepare_sft(cfg)  # train.py's SFT stage (cached)
+    if not Path(paths["sft"], "config.json").is_file():
+        raise ValueError(f"no pi_SFT checkpoint at {paths['sft']}: run train.py first, pass --sft PATH, or --build")
+    start = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(paths["sft"])
+    records, _ = prepare_data(cfg, tokenizer)
+    engine = HFRollout(AutoModelForCausalLM.from_pretrained(paths["sft"], dtype=torch.float32), tokenizer)
+    with Grader(num_workers=cfg.grader_workers, timeout_s=cfg.grader_timeout_s) as grader:
+        if args.build:
+            build_missing(args, paths, engine, tokenizer, records, grader)
+        rollouts = sample_rollouts(args, engine, tokenizer, records, grader)
+    del engine
+    seconds = {"rollouts": time.perf_counter() - start}
+    start = time.perf_counter()
+    result = measure(args, rollouts, paths)
+    seconds["critics"] = time.perf_counter() - start
+    args.out.mkdir(parents=True, exist_ok=True)
+    png, md, js = (args.out / f"advantage_bias.{ext}" for ext in ("png", "md", "json"))
+    plot(result, png)
+    md.write_text(markdown(result, paths, cfg.gamma, seconds))
+    js.write_text(json.dumps(to_json(result), indent=1))
+    print(md.read_text())
+    print(f"wrote {png}, {md} and {js}")
+    return result
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

@@ -1,0 +1,138 @@
+"""analysis/advantage_bias.py (paper Fig. 2) and analysis/value_pretrain_curves.py (§3.2) on a
+throwaway run directory: a tiny random pi_SFT, critics saved beside it, a fake curve.jsonl."""
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import task
+from analysis import advantage_bias, value_pretrain_curves
+from critic import load_value_model
+from train import Config
+
+RUN = "tinyrun"
+
+
+@pytest.fixture(scope="module")
+def run_root(tmp_path_factory):
+    """<root>/_shared/{sft,orm} and <root>/tinyrun/value_pretrain/{critic/,curve.jsonl}, as train.py lays them out."""
+    root = tmp_path_factory.mktemp("runs")
+    tokenizer = task.build_tokenizer()
+    sft = root / "_shared" / "sft"
+    task.make_tiny_model(tokenizer, num_layers=2, intermediate_size=256).save_pretrained(sft)
+    tokenizer.save_pretrained(sft)
+    for where, bias in ((root / "_shared" / "orm", 0.5), (root / RUN / "value_pretrain" / "critic", -0.2)):
+        torch.manual_seed(1)
+        critic = load_value_model(str(sft))
+        with torch.no_grad():
+            critic.score.bias.fill_(bias)  # distinct heads, so the three curves differ
+        critic.save_pretrained(where)
+    return root
+
+
+def bias_args(root, out, **kw):
+    cfg = Config(out_dir=str(root), run_name=RUN, task_train_size=16, task_eval_size=4, max_new_tokens=20,
+                 grader_workers=1)
+    return advantage_bias.Args(**{"out": out, "pipeline": cfg, "rollouts": 6, "batch_size": 4, "bin_size": 4, **kw})
+
+
+@pytest.fixture(scope="module")
+def bias(run_root, tmp_path_factory):
+    out = tmp_path_factory.mktemp("analysis")
+    return advantage_bias.main(bias_args(run_root, out)), out
+
+
+def test_advantage_bias_writes_png_markdown_and_json(bias):
+    result, out = bias
+    for ext in ("png", "md", "json"):
+        assert (out / f"advantage_bias.{ext}").stat().st_size > 0
+    saved = json.loads((out / "advantage_bias.json").read_text())
+    assert saved["tokens"] == result.tokens.tolist() and set(saved["pearson"]) == {"orm", "sft", "pretrained"}
+    assert "Pearson" in (out / "advantage_bias.md").read_text()
+
+
+def test_bins_cover_every_valid_token_position(bias):
+    result, _ = bias
+    total = result.rollout["responses"] * result.rollout["mean_length"]
+    assert result.tokens.sum() == pytest.approx(total)
+    assert result.bin_start[0] == 0 and np.all(np.diff(result.bin_start) == 4)
+    assert result.bin_start[-1] < result.rollout["max_length"] <= result.bin_start[-1] + 4
+    assert (result.tokens > 0).all()  # the longest response passes through every bin
+
+
+def test_every_critic_and_lambda_has_a_curve_and_a_correlation_in_minus_one_one(bias):
+    result, _ = bias
+    assert not result.skipped
+    for name in advantage_bias.CRITICS:
+        assert set(result.advantages[name]) == {0.95, 1.0}
+        for lam, r in result.pearson[name].items():
+            assert -1.0 <= r <= 1.0, (name, lam)
+    assert not np.allclose(result.values["orm"], result.values["pretrained"])
+
+
+def test_lambda_one_advantage_plus_value_is_the_monte_carlo_return_in_every_bin(bias):
+    result, _ = bias
+    for name in advantage_bias.CRITICS:  # A_t(lambda = 1) = R_t - V(s_t), averaged over the same tokens
+        np.testing.assert_allclose(result.advantages[name][1.0] + result.values[name], result.mc_return, atol=1e-5)
+
+
+def test_pearson_from_position_sums_equals_numpy_corrcoef():
+    rng = np.random.default_rng(0)
+    positions = rng.integers(0, 12, size=200)
+    adv = 0.1 * positions + rng.normal(size=200)
+    count, adv_sum = np.bincount(positions, minlength=12), np.bincount(positions, adv, minlength=12)
+    r = advantage_bias.pearson_with_position(count.astype(float), adv_sum, float((adv**2).sum()))
+    assert r == pytest.approx(np.corrcoef(positions, adv)[0, 1], abs=1e-10)
+    assert math.isnan(advantage_bias.pearson_with_position(count.astype(float), 0.5 * count, 0.25 * 200))
+
+
+def test_missing_critic_is_skipped_and_named_in_the_report(run_root, tmp_path):
+    result = advantage_bias.main(bias_args(run_root, tmp_path, critic=str(tmp_path / "nowhere"), rollouts=2))
+    assert set(result.skipped) == {"pretrained"} and set(result.values) == {"orm", "sft"}
+    assert "nowhere" in (tmp_path / "advantage_bias.md").read_text()
+
+
+def test_missing_sft_and_bad_sizes_raise_value_error(run_root, tmp_path):
+    with pytest.raises(ValueError, match="no pi_SFT checkpoint"):
+        advantage_bias.main(bias_args(tmp_path, tmp_path))
+    with pytest.raises(ValueError, match="--bin-size"):
+        advantage_bias.main(advantage_bias.Args(out=tmp_path, bin_size=0))
+
+
+def write_curve(run_dir, rows):
+    path = run_dir / "value_pretrain" / "curve.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_value_pretrain_curves_reads_values_back_exactly_and_writes_both_files(tmp_path):
+    rows_a = [{"step": s, "value_loss": 1.0 / (s + 1), "explained_variance": s / 10 - 0.05, "reward_mean": -0.5}
+              for s in range(6)]
+    rows_b = [{"step": 0, "value_loss": 0.7, "explained_variance": float("nan")},
+              {"step": 1, "value_loss": 0.9, "explained_variance": 0.2}]
+    write_curve(tmp_path / "runs" / "a", rows_a)
+    write_curve(tmp_path / "runs" / "b", rows_b)
+    out = tmp_path / "out"
+    curves = value_pretrain_curves.main(value_pretrain_curves.Args(out=out, root=tmp_path / "runs"))
+    assert [c.label for c in curves] == ["a", "b"]
+    assert curves[0].value_loss.tolist() == [r["value_loss"] for r in rows_a]
+    assert curves[0].explained_variance.tolist() == [r["explained_variance"] for r in rows_a]
+    assert curves[0].step.tolist() == list(range(6)) and math.isnan(curves[1].explained_variance[0])
+    md = (out / "value_pretrain_curves.md").read_text()
+    assert "| a | 6 | 1 | 0.1667 | 0.1667 (5) | -0.050 | 0.450 | 0.450 (5) |" in md
+    assert "| b | 2 | 0.7 | 0.9 | 0.7 (0) | nan | 0.200 | 0.200 (1) |" in md
+    assert (out / "value_pretrain_curves.png").stat().st_size > 0
+
+
+def test_value_pretrain_curves_names_the_bad_file_and_line(tmp_path):
+    write_curve(tmp_path / "run", [{"step": 0, "value_loss": 1.0, "explained_variance": 0.0}])
+    with open(tmp_path / "run" / "value_pretrain" / "curve.jsonl", "a") as f:
+        f.write('{"step": 1, "value_loss": 0.5}\n')
+    with pytest.raises(ValueError, match=r"curve.jsonl:2"):
+        value_pretrain_curves.main(value_pretrain_curves.Args(out=tmp_path / "out", runs=(tmp_path / "run",)))
+    with pytest.raises(ValueError, match="no value pretraining curve"):
+        value_pretrain_curves.main(value_pretrain_curves.Args(out=tmp_path / "out", runs=(tmp_path / "none",)))
+    with pytest.raises(ValueError, match="no run under"):
+        value_pretrain_curves.main(value_pretrain_curves.Args(out=tmp_path / "out", root=tmp_path / "empty"))
