@@ -1,29 +1,30 @@
-"""The built-in Long-CoT task: long column additions, step by step or by shortcut.
+"""The built-in Long-CoT task: repeated doubling, worked line by line or guessed by shortcut.
 
-The CPU stand-in for the paper's Long-CoT maths (PAPER.md §1, §7). A problem is a sum of k
-two-digit terms; k (the difficulty) sets the length of a full chain of thought, about 13 tokens
-per term: 1 term -> ~24 tokens, 24 terms -> ~320 tokens, i.e. 16 GAE horizons 1/(1-0.95) = 20.
+The CPU stand-in for the paper's Long-CoT maths (PAPER.md §1, §7). A problem asks for the last
+three digits of x * 2^k (x = 100..999); k (the difficulty) sets the length of the full chain of
+thought, one doubling per line, 9 tokens per line plus the answer: k = 1 -> 20 tokens, k = 36 ->
+~335 tokens, i.e. 17 GAE horizons 1/(1-0.95) = 20, so most decisions sit many horizons away
+from the reward.
 
-Numbers inside the prompt and the trace are written least-significant digit first ("37" is
-"73"), and every digit of a running total carries an explicit carry mark ('.' 0, "'" 1, '"' 2),
-so each generated digit depends on three tokens at fixed distances: a tiny model is reliable per
-step, yet a long chain accumulates errors. Only the final answer is written normally.
+Numbers are written least-significant digit first ("437" is "734"), each digit followed by its
+carry ('.' 0, "'" 1, '"' 2, '^' 3), and lines are labelled a, b, ... (the prompt names the last
+label). Every generated token then depends on a few tokens at fixed distances (the same column one
+line up, the carry just before it) and nothing must be searched for: a tiny model gets each line
+right most of the time, and a long chain still accumulates slips. Only the answer is written
+normally.
 
-    prompt  a73b58c21d49=\n                   37 + 85 + 12 + 94: terms labelled a, b, ...
-    full    a73:7.3.0.0.\n                    0 + 37 = 37    (4 digits, each with a carry mark)
-            b58:2'2'1.0.\n                    37 + 85 = 122  (7+5 = 12: write 2, carry 1; ...)
-            c21:4.3.1.0.\n                    122 + 12 = 134
-            d49:8.2'2.0.\n                    134 + 94 = 228
-            \boxed{228}
+    prompt  734d=\n            x = 437, k = 4 (labels a..d)
+    full    a:4'7.8.\n         437 * 2 = 874   (2*7 = 14: write 4, carry 1; 2*3+1 = 7; 2*4 = 8)
+            b:8.4'7'\n         874 * 2 = 1748 -> 748 (the carry out of the last column is dropped)
+            c:6'9.4'\n         748 * 2 = 1496 -> 496
+            d:2'9'9.\n         496 * 2 = 992
+            \boxed{992}
 
-Each line starts by copying the next labelled term: the labels make that copy a lookup by content
-instead of an induction over positions, which a tiny model learns far faster.
-
-Two ways to shorten the reasoning exist at every line, each with a real but not certain cost:
-- merge: add two terms in one line ("c21d49:..."), saving 10 tokens; three-operand columns are
-  harder for a small model, so merged lines fail more often (measured by `sft.py`);
-- shortcut: stop after any line and box the exact total "in one's head": easy for one or two
-  terms, hopeless for twenty, so shortcuts are mostly wrong on long problems.
+Two ways to shorten the reasoning exist at every line, each with a real but uncertain cost:
+- merge: two doublings in one line ("cd:2'9'9." multiplies by 4), saving 9 tokens; a x4 column
+  is harder for a small model, so merged lines slip more often (`sft.py` reports both rates);
+- shortcut: stop after any line and box the exact answer "in one's head": easy for one doubling,
+  hopeless for twenty, so shortcuts are mostly wrong on long problems.
 The SFT data mixes them (`sft_response`), so pi_SFT can do either and PPO can drift between them.
 """
 
@@ -32,23 +33,21 @@ import re
 from dataclasses import dataclass, field
 
 import torch
-
 from tokenizers import pre_tokenizers
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
 
-TERM_DIGITS = 2  # terms are 10..99
-WIDTH = 4  # digits of every running total; 4 digits hold 101 * 99 = 9999
-LABELS = "abcdefghijklmnopqrstuvwxyz"  # one per term, so at most 26 terms (26 * 99 < 10**WIDTH)
+WIDTH = 3  # digits kept: the answer is x * 2^k mod 10**WIDTH
+LABELS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"  # one per doubling
 MAX_DIFFICULTY = len(LABELS)
-DEFAULT_DIFFICULTY = (1, 24)  # ~24 to ~320 response tokens
-CARRY_MARKS = ".'\""  # carry 0, 1, 2 (a merged line adds up to 9+9+9+2 = 29 per column)
+DEFAULT_DIFFICULTY = (1, 36)  # 17 to ~335 response tokens
+MAX_MERGE = 2  # doublings per merged line (x4: a column reaches 4*9+3 = 39, carry 3)
+CARRY_MARKS = ".'\"^"  # carry 0, 1, 2, 3
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
-ALPHABET = "0123456789=:" + CARRY_MARKS + "\n\\{}" + LABELS  # "boxed" is made of labels
+ALPHABET = "0123456789=:" + CARRY_MARKS + "\n\\{}" + LABELS  # "boxed" is spelt with labels
 
-_LINE = re.compile(r"((?:[a-z]\d{%d})+):((?:\d[%s]){%d})" % (TERM_DIGITS, re.escape(CARRY_MARKS), WIDTH))
-_TERM = re.compile(r"([a-z])(\d{%d})" % TERM_DIGITS)
+_PROMPT = re.compile(r"(\d{%d})([a-zA-Z])=\n" % WIDTH)
+_LINE = re.compile(r"([a-zA-Z]+):((?:\d[%s]){%d})" % (re.escape(CARRY_MARKS), WIDTH))
 _BOX = re.compile(r"\\boxed\{([^{}]*)\}")
-_PROMPT = re.compile(r"((?:[a-z]\d{%d})+)=\n" % TERM_DIGITS)
 
 
 def build_tokenizer() -> Qwen2Tokenizer:
@@ -102,14 +101,14 @@ def make_tiny_model(
     return model
 
 
-def _rev(n: int, width: int) -> str:
-    return str(n).zfill(width)[::-1]
+def _rev(n: int) -> str:
+    return str(n).zfill(WIDTH)[::-1]
 
 
 def make_problems(
     n: int, seed: int, min_difficulty: int = DEFAULT_DIFFICULTY[0], max_difficulty: int = DEFAULT_DIFFICULTY[1]
 ) -> list[dict]:
-    """n problems {prompt, answer, difficulty}; difficulty k (number of terms) uniform in [min, max]."""
+    """n problems {prompt, answer, difficulty}; difficulty k (doublings) uniform in [min, max]."""
     if not 1 <= min_difficulty <= max_difficulty <= MAX_DIFFICULTY:
         raise ValueError(f"need 1 <= min_difficulty <= max_difficulty <= {MAX_DIFFICULTY}, "
                          f"got {min_difficulty}, {max_difficulty}")
@@ -118,68 +117,59 @@ def make_problems(
     rng = random.Random(seed)
     problems = []
     for _ in range(n):
-        k = rng.randint(min_difficulty, max_difficulty)
-        terms = [rng.randint(10 ** (TERM_DIGITS - 1), 10**TERM_DIGITS - 1) for _ in range(k)]
-        prompt = _labelled(terms, 0) + "=\n"
-        problems.append({"prompt": prompt, "answer": str(sum(terms)), "difficulty": k})
+        k, x = rng.randint(min_difficulty, max_difficulty), rng.randint(10 ** (WIDTH - 1), 10**WIDTH - 1)
+        problems.append({"prompt": _rev(x) + LABELS[k - 1] + "=\n", "answer": str(x * 2**k % 10**WIDTH),
+                         "difficulty": k})
     return problems
 
 
-def prompt_terms(prompt: str) -> list[int]:
-    """The terms of a task prompt, in order (ValueError if it is not one)."""
+def parse_prompt(prompt: str) -> tuple[int, int]:
+    """(x, k) of a task prompt (ValueError if it is not one)."""
     m = _PROMPT.fullmatch(prompt)
-    labelled = _TERM.findall(m.group(1)) if m else []
-    if not labelled or [lab for lab, _ in labelled] != list(LABELS[: len(labelled)]):
+    if m is None:
         raise ValueError(f"not a task prompt: {prompt[:40]!r}")
-    return [int(digits[::-1]) for _, digits in labelled]
+    return int(m.group(1)[::-1]), LABELS.index(m.group(2)) + 1
 
 
-def _labelled(terms: list[int], first: int) -> str:
-    """Terms written with their labels, digits reversed: [37, 85], 0 -> "a73b58"."""
-    return "".join(LABELS[first + i] + _rev(t, TERM_DIGITS) for i, t in enumerate(terms))
-
-
-def step_line(total: int, terms: list[int], first: int) -> str:
-    """One reasoning line: add `terms` (labels from index `first`) to the running `total`,
-    column by column, marking carries."""
+def step_line(value: int, doublings: int, first: int) -> str:
+    """One reasoning line: `value` times 2**doublings, column by column with carries, labelled
+    from label index `first`; the carry out of the last column is dropped (mod 10**WIDTH)."""
+    if not 1 <= doublings <= MAX_MERGE:
+        raise ValueError(f"a line does 1 to {MAX_MERGE} doublings, not {doublings}")
     cells, carry = [], 0
-    digits = [_rev(total, WIDTH)] + [_rev(t, WIDTH) for t in terms]
-    for col in range(WIDTH):
-        s = sum(int(d[col]) for d in digits) + carry
+    for digit in _rev(value):
+        s = int(digit) * 2**doublings + carry
         carry = s // 10
         cells.append(str(s % 10) + CARRY_MARKS[carry])
-    if carry:
-        raise ValueError(f"{total} + {terms} overflows {WIDTH} digits")
-    return _labelled(terms, first) + ":" + "".join(cells) + "\n"
+    return LABELS[first : first + doublings] + ":" + "".join(cells) + "\n"
 
 
 def sft_response(problem: dict, rng: random.Random, shortcut_prob: float = 0.3, merge_prob: float = 0.1) -> str:
     """A supervised trace for `problem`: full by default, with merged lines and/or an early stop.
 
-    Each line merges the next two terms with probability merge_prob. With probability
-    shortcut_prob the trace stops after a uniformly drawn number of lines (0 .. all but one) and
-    boxes the exact total, as if the rest were done mentally: the SFT target is always correct,
-    the model's ability to imitate it without the lines is what makes a shortcut costly.
+    Each line does two doublings with probability merge_prob. With probability shortcut_prob the
+    trace stops after a uniformly drawn number of lines (0 .. all but one) and boxes the exact
+    answer, as if the rest were done mentally: every SFT target is right; a model's inability to
+    imitate it without the lines is what makes a shortcut costly.
     """
     if not (0.0 <= shortcut_prob <= 1.0 and 0.0 <= merge_prob <= 1.0):
         raise ValueError(f"probabilities must be in [0, 1], got {shortcut_prob}, {merge_prob}")
-    terms = prompt_terms(problem["prompt"])
-    groups, i = [], 0
-    while i < len(terms):
-        size = 2 if i + 1 < len(terms) and rng.random() < merge_prob else 1
-        groups.append(terms[i : i + size])
-        i += size
+    x, k = parse_prompt(problem["prompt"])
+    groups, done = [], 0
+    while done < k:
+        groups.append(MAX_MERGE if done + 1 < k and rng.random() < merge_prob else 1)
+        done += groups[-1]
     if rng.random() < shortcut_prob:
         groups = groups[: rng.randrange(len(groups))]
-    lines, total, done = [], 0, 0
+    lines, value, done = [], x, 0
     for g in groups:
-        lines.append(step_line(total, g, done))
-        total, done = total + sum(g), done + len(g)
-    return "".join(lines) + "\\boxed{" + str(sum(terms)) + "}"
+        lines.append(step_line(value, g, done))
+        value, done = value * 2**g % 10**WIDTH, done + g
+    return "".join(lines) + "\\boxed{" + str(x * 2**k % 10**WIDTH) + "}"
 
 
 def full_response(problem: dict) -> str:
-    """The canonical full trace: one term per line, every line, correct answer."""
+    """The canonical full trace: one doubling per line, every line, correct answer."""
     return sft_response(problem, random.Random(0), shortcut_prob=0.0, merge_prob=0.0)
 
 
@@ -189,44 +179,42 @@ class Trace:
 
     strategy: str
     boxed: str | None = None  # content of the final \boxed{}, None if absent
-    line_ok: list[bool] = field(default_factory=list)  # per line: arithmetic right given the line above
-    line_terms: list[int] = field(default_factory=list)  # per line: how many terms it adds
-    terms_done: int = 0  # prompt terms consumed before the box
+    line_ok: list[bool] = field(default_factory=list)  # per line: right, given the line above
+    line_steps: list[int] = field(default_factory=list)  # per line: doublings it does
+    steps_done: int = 0  # doublings done before the box
 
 
 def parse_response(prompt: str, response: str) -> Trace:
-    """Check a response line by line against the prompt's terms (the task's own arithmetic).
+    """Check a response line by line (the task's own arithmetic).
 
-    invalid: a malformed line, a line whose terms are not the next prompt terms, more lines than
-    terms, no final box, or text after it. Lines are judged locally (against the total written on
-    the line above), so per-step reliability is measurable even after an earlier slip.
+    invalid: a malformed line, labels that skip, repeat or run past the prompt's last label, a
+    line of more than MAX_MERGE doublings, no final box, or text after it. Lines are judged
+    against the value written on the line above, so per-step reliability is measurable even after
+    an earlier slip.
     """
-    terms = prompt_terms(prompt)
+    x, k = parse_prompt(prompt)
     *lines, last = response.split("\n")
-    trace, total = Trace("invalid"), 0
+    trace, value = Trace("invalid"), x
     for line in lines:
         m = _LINE.fullmatch(line)
-        if m is None:
+        done = trace.steps_done
+        if m is None or m.group(1) != LABELS[done : done + len(m.group(1))] or len(m.group(1)) > MAX_MERGE:
             return trace
-        k = trace.terms_done
-        labelled = _TERM.findall(m.group(1))
-        written = [int(digits[::-1]) for _, digits in labelled]
-        if [lab for lab, _ in labelled] != list(LABELS[k : k + len(labelled)]) or k + len(labelled) > len(terms):
-            return trace  # a skipped, repeated or invented term
-        # Right = the term copied right and the columns right, given the total written above.
-        copied = written == terms[k : k + len(written)]
-        trace.line_ok.append(copied and total + sum(written) < 10**WIDTH and step_line(total, written, k) == line + "\n")
-        trace.line_terms.append(len(written))
-        trace.terms_done += len(written)
-        total = int(m.group(2)[0::2][::-1])  # the total as written, right or wrong
+        steps = len(m.group(1))
+        if done + steps > k:
+            return trace
+        trace.line_ok.append(step_line(value, steps, done) == line + "\n")
+        trace.line_steps.append(steps)
+        trace.steps_done += steps
+        value = int(m.group(2)[0::2][::-1])  # the value as written, right or wrong
     m = _BOX.fullmatch(last)
     if m is None:
         return trace
     trace.boxed = m.group(1)
-    if trace.terms_done < len(terms):
+    if trace.steps_done < k:
         trace.strategy = "shortcut"
     else:
-        trace.strategy = "merged" if any(n > 1 for n in trace.line_terms) else "full"
+        trace.strategy = "merged" if any(n > 1 for n in trace.line_steps) else "full"
     return trace
 
 

@@ -37,9 +37,10 @@ def test_tokenizer_round_trips_through_a_qwen2_checkpoint_dir(tokenizer, problem
 def test_full_traces_are_correct_under_the_task_arithmetic(problems):
     for p in problems:
         trace = task.parse_response(p["prompt"], task.full_response(p))
+        x, k = task.parse_prompt(p["prompt"])
         assert trace.strategy == "full"
-        assert all(trace.line_ok) and len(trace.line_ok) == p["difficulty"]
-        assert trace.boxed == p["answer"] == str(sum(task.prompt_terms(p["prompt"])))
+        assert all(trace.line_ok) and len(trace.line_ok) == k == p["difficulty"]
+        assert trace.boxed == p["answer"] == str(x * 2**k % 1000)
 
 
 def test_full_traces_are_graded_plus_one_and_wrong_boxes_minus_one(problems):
@@ -78,7 +79,7 @@ def test_difficulty_sets_the_length_of_the_full_trace_monotonically(tokenizer):
         ps = task.make_problems(5, seed=k, min_difficulty=k, max_difficulty=k)
         lengths.append(max(len(tokenizer(task.full_response(p))["input_ids"]) for p in ps))
     assert all(a < b for a, b in zip(lengths, lengths[1:]))
-    assert lengths[0] <= 25 and lengths[task.DEFAULT_DIFFICULTY[1] - 1] >= 300
+    assert lengths[0] <= 20 and lengths[task.DEFAULT_DIFFICULTY[1] - 1] >= 300
 
 
 def test_problems_are_deterministic_given_the_seed_and_respect_the_difficulty_range():
@@ -86,31 +87,36 @@ def test_problems_are_deterministic_given_the_seed_and_respect_the_difficulty_ra
     assert a == task.make_problems(50, seed=7, min_difficulty=3, max_difficulty=9)
     assert a != task.make_problems(50, seed=8, min_difficulty=3, max_difficulty=9)
     assert {p["difficulty"] for p in a} <= set(range(3, 10))
-    assert all(len(task.prompt_terms(p["prompt"])) == p["difficulty"] for p in a)
+    assert all(task.parse_prompt(p["prompt"])[1] == p["difficulty"] for p in a)
     rng_a, rng_b = random.Random(4), random.Random(4)
     assert [task.sft_response(p, rng_a) for p in a] == [task.sft_response(p, rng_b) for p in a]
 
 
-def test_lines_are_judged_against_the_total_written_above():
+def test_lines_are_judged_against_the_value_written_above():
     p = task.make_problems(1, seed=0, min_difficulty=4, max_difficulty=4)[0]
     lines = task.full_response(p).split("\n")
-    lines[1] = lines[1][:4] + str((int(lines[1][4]) + 1) % 10) + lines[1][5:]  # slip: line 2, units
-    # Line 3 still adds to the true total, so it disagrees with the slipped one above it;
+    u = lines[1].index(":") + 1
+    lines[1] = lines[1][:u] + str((int(lines[1][u]) + 1) % 10) + lines[1][u + 1 :]  # slip: line 2, units
+    # Line 3 still doubles the true value, so it disagrees with the slipped one above it;
     # line 4 agrees with line 3 as written.
     assert task.parse_response(p["prompt"], "\n".join(lines)).line_ok == [True, False, False, True]
-    written_total = int(lines[1][4::2][::-1])
-    lines[2] = task.step_line(written_total, task.prompt_terms(p["prompt"])[2:3], 2).rstrip("\n")
+    written = int(lines[1][u::2][::-1])
+    lines[2] = task.step_line(written, 1, 2).rstrip("\n")
     assert task.parse_response(p["prompt"], "\n".join(lines)).line_ok == [True, False, True, False]
 
 
-@pytest.mark.parametrize("edit", ["drop_box", "skip_term", "repeat_line", "trailing_text", "garbage"])
+@pytest.mark.parametrize("edit", ["drop_box", "skip_label", "repeat_line", "past_the_end", "triple_merge",
+                                  "trailing_text", "garbage"])
 def test_malformed_responses_are_invalid(edit):
     p = task.make_problems(1, seed=1, min_difficulty=5, max_difficulty=5)[0]
+    x, _ = task.parse_prompt(p["prompt"])
     lines = task.full_response(p).split("\n")
     text = {
         "drop_box": "\n".join(lines[:-1]) + "\n",
-        "skip_term": "\n".join(lines[:1] + lines[2:]),
+        "skip_label": "\n".join(lines[:1] + lines[2:]),
         "repeat_line": "\n".join(lines[:2] + lines[1:]),
+        "past_the_end": "\n".join(lines[:-1] + ["f" + lines[0][1:], lines[-1]]),
+        "triple_merge": "abc" + task.step_line(x, 1, 0)[1:] + "\n".join(lines[3:]),
         "trailing_text": "\n".join(lines) + "\n0",
         "garbage": "hello",
     }[edit]
@@ -123,9 +129,13 @@ def test_bad_inputs_raise_value_errors(tokenizer):
     with pytest.raises(ValueError):
         task.make_problems(3, seed=0, min_difficulty=5, max_difficulty=4)
     with pytest.raises(ValueError):
-        task.prompt_terms("What is 2+2?")
+        task.parse_prompt("What is 2+2?")
     with pytest.raises(ValueError):
-        task.sft_response({"prompt": "a12b34=\n", "answer": "76"}, random.Random(0), shortcut_prob=1.5)
+        task.response_strategy("4370d=\n", "a:4'7.8.")  # x has exactly 3 digits
+    with pytest.raises(ValueError):
+        task.step_line(437, 3, 0)  # at most MAX_MERGE doublings per line
+    with pytest.raises(ValueError):
+        task.sft_response({"prompt": "734d=\n", "answer": "992"}, random.Random(0), shortcut_prob=1.5)
     with pytest.raises(ValueError):
         task.make_tiny_model(tokenizer, hidden_size=96, num_heads=2)
 
