@@ -2,15 +2,18 @@
 
 At the start of PPO the policy is pi_SFT. Its rollouts are scored (+-1 on the last token) and three
 critics read V(s_t) on them: the outcome reward model (plain PPO's critic initialisation), pi_SFT with
-a fresh head, and the value-pretrained critic (§3.2). GAE (Eq. 5) with lambda 0.95 and 1.0 turns each
+a fresh head, and the value-pretrained critic (§3.2). GAE (Eq. 5-6) with lambda 0.95 and 1.0 turns each
 into advantages. With an exact critic E[A_t] = 0 at every position, so the mean advantage by position
 shows each critic's bias; the mean Monte-Carlo return (the lambda = 1 target, the same for every
 critic) is what V(s_t) should be on average. The paper's Fig. 2 has early tokens biased UP; report
-the sign measured here (the prototype of /work/shared/TASK_NOTES.md found it negative).
+the sign measured here (a prototype before this project measured it negative).
+
+Flags after a `--` are train.py's own (`train.parse_config`): give the run's flags, so that paths,
+task, sampling, reward and the stages --build runs are the run's.
 
     python analysis/advantage_bias.py                 # critics of runs/: writes runs/analysis/advantage_bias.*
     python analysis/advantage_bias.py --build         # first runs train.py's missing stages (SFT, ORM, §3.2)
-    python analysis/advantage_bias.py --pipeline.run-name myrun --critic PATH --rollouts 64
+    python analysis/advantage_bias.py --rollouts 64 --critic PATH -- --out-dir runs --run-name myrun
 """
 import sys; from pathlib import Path; sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # repo root
 
@@ -37,7 +40,7 @@ from ppo import masked_mean, masked_sum
 from reward import Grader, prepare_orm, score_rollout
 from rollout import HFRollout, decode_responses
 from sft import prepare_sft
-from train import Config
+from train import parse_config
 from value_pretrain import pretrain_value
 
 CRITICS = ("orm", "sft", "pretrained")
@@ -48,12 +51,10 @@ LABELS = {"orm": "ORM-initialised", "sft": "SFT + fresh head", "pretrained": "va
 class Args:
     out: Path = Path("runs/analysis")
     """folder that receives advantage_bias.png, .md and .json"""
-    pipeline: Config = dataclasses.field(default_factory=Config)
-    """train.py's settings (pass the run's own): paths, task, sampling, reward, and what --build runs"""
     sft: str | None = None
-    """pi_SFT checkpoint; None: train.py's (--pipeline.model, else <out_dir>/_shared/sft)"""
+    """pi_SFT checkpoint; None: train.py's (--model, else <out_dir>/_shared/sft)"""
     orm: str | None = None
-    """outcome reward model; None: train.py's cache (<out_dir>/_shared/orm, or orm-<run_name> with --pipeline.model)"""
+    """outcome reward model; None: train.py's cache (<out_dir>/_shared/orm, or orm-<run_name> with --model)"""
     critic: str | None = None
     """value-pretrained critic; None: <out_dir>/<run_name>/value_pretrain/critic"""
     build: bool = False
@@ -65,7 +66,7 @@ class Args:
     bin_size: int = 16
     """token positions per bin"""
     lambdas: tuple[float, ...] = (0.95, 1.0)
-    """GAE lambdas (gamma from --pipeline.gamma)"""
+    """GAE lambdas (gamma: train.py's --gamma)"""
     seed: int = 0
     """seeds the prompts, the samples and the fresh critic head"""
 
@@ -94,12 +95,10 @@ def check_args(args: Args) -> None:
     if bad:
         raise ValueError(f"--{bad[0].replace('_', '-')} = {getattr(args, bad[0])!r} is invalid "
                          "(rollouts >= 2, batch size and bin size >= 1, lambdas in [0, 1])")
-    args.pipeline.validate()
 
 
-def default_paths(args: Args) -> dict[str, str]:
+def default_paths(args: Args, cfg) -> dict[str, str]:
     """Where train.py writes (or wrote) pi_SFT and each critic, unless a flag names another path."""
-    cfg = args.pipeline
     sft = args.sft or cfg.model or os.path.join(cfg.out_dir, "_shared", "sft")
     orm_name = "orm" if cfg.model is None else f"orm-{cfg.run_name}"  # reward.prepare_orm's cache
     return {
@@ -109,9 +108,8 @@ def default_paths(args: Args) -> dict[str, str]:
     }
 
 
-def build_missing(args: Args, paths: dict, engine, tokenizer, records, grader) -> None:
+def build_missing(args: Args, cfg, paths: dict, engine, tokenizer, records, grader) -> None:
     """--build: train.py's ORM and value-pretraining stages (SFT is built before the engine exists)."""
-    cfg = args.pipeline
     if args.orm is None and not os.path.exists(paths["orm"]):
         prepare_orm(dataclasses.replace(cfg, critic_init="rm"), paths["sft"], engine, tokenizer, records, grader)
     if args.critic is None and not os.path.exists(paths["pretrained"]) and cfg.value_pretrain_steps > 0:
@@ -122,9 +120,9 @@ def build_missing(args: Args, paths: dict, engine, tokenizer, records, grader) -
                        os.path.dirname(paths["pretrained"]))
 
 
-def sample_rollouts(args: Args, engine, tokenizer, records, grader) -> list:
+def sample_rollouts(args: Args, cfg, engine, tokenizer, records, grader) -> list:
     """pi_SFT's scored responses: [(RolloutBatch, token rewards [B, T], scores [B])]."""
-    cfg = dataclasses.replace(args.pipeline, prompts_per_step=args.batch_size, samples_per_prompt=1,
+    cfg = dataclasses.replace(cfg, prompts_per_step=args.batch_size, samples_per_prompt=1,
                               seed=args.seed)
     out = []
     for i in tqdm(range(-(-args.rollouts // args.batch_size)), desc="pi_SFT rollouts", leave=False):
@@ -154,9 +152,9 @@ def position_sums(rollouts, critic, lambdas, gamma, width: int, bin_size: int) -
         values = response_values(critic, batch) if critic is not None else torch.zeros_like(mask)
         add("count", mask, mask)
         add("value", values, mask)
-        add("ret", compute_gae(rewards, values, mask, gamma, lam=1.0)[1], mask)  # R_t at lambda = 1 (Eq. 5)
+        add("ret", compute_gae(rewards, values, mask, gamma, lam=1.0)[1], mask)  # R_t at lambda = 1 (Eq. 7)
         for lam in lambdas:
-            adv, _ = compute_gae(rewards, values, mask, gamma, lam=lam)  # Eq. 5
+            adv, _ = compute_gae(rewards, values, mask, gamma, lam=lam)  # Eq. 5-6
             add("adv", adv, mask, lam)
             sums["adv_sq"][lam] += float(masked_sum(adv.double() ** 2, mask.double()))
             sums["first_bin"][lam] += masked_mean(adv[:, :bin_size], mask[:, :bin_size], dim=1).tolist()
@@ -184,7 +182,7 @@ def binned(per_position: np.ndarray, count: np.ndarray, bin_size: int) -> np.nda
     return bin_sums(per_position, bin_size) / np.maximum(bin_sums(count, bin_size), 1)
 
 
-def measure(args: Args, rollouts, paths: dict) -> BiasResult:
+def measure(args: Args, rollouts, paths: dict, gamma: float) -> BiasResult:
     """Binned values and advantages of every critic found at `paths`, on the same rollouts."""
     width = max(int(b.lengths.max()) for b, _, _ in rollouts)
     values, advantages, pearson, first_se, skipped, common = {}, {}, {}, {}, {}, None
@@ -199,7 +197,7 @@ def measure(args: Args, rollouts, paths: dict) -> BiasResult:
         torch.manual_seed(args.seed)  # the fresh head of the SFT critic
         critic = load_value_model(path).eval()  # pi_SFT gets a new N(0, 0.02) head; critics keep theirs
         with torch.no_grad():
-            s = position_sums(rollouts, critic, args.lambdas, args.pipeline.gamma, width, args.bin_size)
+            s = position_sums(rollouts, critic, args.lambdas, gamma, width, args.bin_size)
         del critic
         common = s
         values[name] = binned(s["value"], s["count"], args.bin_size)
@@ -209,7 +207,7 @@ def measure(args: Args, rollouts, paths: dict) -> BiasResult:
         first_se[name] = {lam: float(np.std(s["first_bin"][lam], ddof=1) / np.sqrt(len(s["first_bin"][lam])))
                           for lam in args.lambdas}
     if common is None:  # no critic at all: positions and returns only
-        common = position_sums(rollouts, None, (), args.pipeline.gamma, width, args.bin_size)
+        common = position_sums(rollouts, None, (), gamma, width, args.bin_size)
     lengths = torch.cat([b.lengths for b, _, _ in rollouts]).float()
     scores = torch.cat([s for _, _, s in rollouts])
     finish = [f for b, _, _ in rollouts for f in b.finish_reasons]
@@ -309,10 +307,12 @@ def to_json(r: BiasResult) -> dict:
     }
 
 
-def main(args: Args) -> BiasResult:
+def main(args: Args, train_argv: list[str] = ()) -> BiasResult:
+    """`train_argv`: train.py's flags of the run (the command line after `--`)."""
     torch.set_num_threads(min(2, torch.get_num_threads()))
     check_args(args)
-    cfg, paths = args.pipeline, default_paths(args)
+    cfg = parse_config(list(train_argv))
+    paths = default_paths(args, cfg)
     if args.build and args.sft is None:
         paths["sft"] = prepare_sft(cfg)  # train.py's SFT stage (cached)
     if not Path(paths["sft"], "config.json").is_file():
@@ -323,12 +323,12 @@ def main(args: Args) -> BiasResult:
     engine = HFRollout(AutoModelForCausalLM.from_pretrained(paths["sft"], dtype=torch.float32), tokenizer)
     with Grader(num_workers=cfg.grader_workers, timeout_s=cfg.grader_timeout_s) as grader:
         if args.build:
-            build_missing(args, paths, engine, tokenizer, records, grader)
-        rollouts = sample_rollouts(args, engine, tokenizer, records, grader)
+            build_missing(args, cfg, paths, engine, tokenizer, records, grader)
+        rollouts = sample_rollouts(args, cfg, engine, tokenizer, records, grader)
     del engine
     seconds = {"rollouts": time.perf_counter() - start}
     start = time.perf_counter()
-    result = measure(args, rollouts, paths)
+    result = measure(args, rollouts, paths, cfg.gamma)
     seconds["critics"] = time.perf_counter() - start
     args.out.mkdir(parents=True, exist_ok=True)
     png, md, js = (args.out / f"advantage_bias.{ext}" for ext in ("png", "md", "json"))
@@ -341,4 +341,6 @@ def main(args: Args) -> BiasResult:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    main(tyro.cli(Args, args=argv[:cut], description=__doc__), argv[cut + 1 :])

@@ -10,7 +10,6 @@ import torch
 import task
 from analysis import advantage_bias, value_pretrain_curves
 from critic import load_value_model
-from train import Config
 
 RUN = "tinyrun"
 
@@ -32,16 +31,18 @@ def run_root(tmp_path_factory):
     return root
 
 
-def bias_args(root, out, **kw):
-    cfg = Config(out_dir=str(root), run_name=RUN, task_train_size=16, task_eval_size=4, max_new_tokens=20,
-                 grader_workers=1)
-    return advantage_bias.Args(**{"out": out, "pipeline": cfg, "rollouts": 6, "batch_size": 4, "bin_size": 4, **kw})
+def run_bias(root, out, **kw):
+    """advantage_bias.main with train.py flags of a micro run under `root`."""
+    flags = ["--out-dir", str(root), "--run-name", RUN, "--task-train-size", "16", "--task-eval-size", "4",
+             "--max-new-tokens", "20", "--grader-workers", "1"]
+    args = advantage_bias.Args(**{"out": out, "rollouts": 6, "batch_size": 4, "bin_size": 4, **kw})
+    return advantage_bias.main(args, flags)
 
 
 @pytest.fixture(scope="module")
 def bias(run_root, tmp_path_factory):
     out = tmp_path_factory.mktemp("analysis")
-    return advantage_bias.main(bias_args(run_root, out)), out
+    return run_bias(run_root, out), out
 
 
 def test_advantage_bias_writes_png_markdown_and_json(bias):
@@ -89,14 +90,14 @@ def test_pearson_from_position_sums_equals_numpy_corrcoef():
 
 
 def test_missing_critic_is_skipped_and_named_in_the_report(run_root, tmp_path):
-    result = advantage_bias.main(bias_args(run_root, tmp_path, critic=str(tmp_path / "nowhere"), rollouts=2))
+    result = run_bias(run_root, tmp_path, critic=str(tmp_path / "nowhere"), rollouts=2)
     assert set(result.skipped) == {"pretrained"} and set(result.values) == {"orm", "sft"}
     assert "nowhere" in (tmp_path / "advantage_bias.md").read_text()
 
 
 def test_missing_sft_and_bad_sizes_raise_value_error(run_root, tmp_path):
     with pytest.raises(ValueError, match="no pi_SFT checkpoint"):
-        advantage_bias.main(bias_args(tmp_path, tmp_path))
+        run_bias(tmp_path, tmp_path)
     with pytest.raises(ValueError, match="--bin-size"):
         advantage_bias.main(advantage_bias.Args(out=tmp_path, bin_size=0))
 
