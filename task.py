@@ -1,30 +1,29 @@
 """The built-in Long-CoT task: repeated doubling, worked line by line or guessed by shortcut.
 
 The CPU stand-in for the paper's Long-CoT maths (PAPER.md §1, §7). A problem asks for the last
-three digits of x * 2^k (x = 100..999); k (the difficulty) sets the length of the full chain of
-thought, one doubling per line, 9 tokens per line plus the answer: k = 1 -> 20 tokens, k = 36 ->
-~335 tokens, i.e. 17 GAE horizons 1/(1-0.95) = 20, so most decisions sit many horizons away
+four digits of x * 2^k (x = 1000..9999); k (the difficulty) sets the length of the full chain of
+thought, one doubling per line, 7 tokens per line plus the answer: k = 1 -> ~19 tokens, k = 48 ->
+~350 tokens, i.e. 17 GAE horizons 1/(1-0.95) = 20, so most decisions sit many horizons away
 from the reward.
 
-Numbers are written least-significant digit first ("437" is "734"), each digit followed by its
-carry ('.' 0, "'" 1, '"' 2, '^' 3), and lines are labelled a, b, ... (the prompt names the last
-label). Every generated token then depends on a few tokens at fixed distances (the same column one
-line up, the carry just before it) and nothing must be searched for: a tiny model gets each line
-right most of the time, and a long chain still accumulates slips. Only the answer is written
-normally.
+Lines are labelled a, b, ... and the prompt names the last label (k = 4 is "2^d"). Doubling is
+local: a digit receives a carry exactly when the digit to its right is 5 or more, so every digit
+of a line depends on two digits of the line above, at fixed distances, and nothing must be
+searched for or reversed: a tiny model gets each line right nearly always, and a long chain
+still accumulates slips.
 
-    prompt  734d=\n            x = 437, k = 4 (labels a..d)
-    full    a:4'7.8.\n         437 * 2 = 874   (2*7 = 14: write 4, carry 1; 2*3+1 = 7; 2*4 = 8)
-            b:8.4'7'\n         874 * 2 = 1748 -> 748 (the carry out of the last column is dropped)
-            c:6'9.4'\n         748 * 2 = 1496 -> 496
-            d:2'9'9.\n         496 * 2 = 992
-            \boxed{992}
+    prompt  1437*2^d=\n
+    full    a:2874\n        1437 * 2
+            b:5748\n        2874 * 2
+            c:1496\n        5748 * 2 = 11496, last four digits
+            d:2992\n
+            \boxed{2992}
 
 Two ways to shorten the reasoning exist at every line, each with a real but uncertain cost:
-- merge: two doublings in one line ("cd:2'9'9." multiplies by 4), saving 9 tokens; a x4 column
-  is harder for a small model, so merged lines slip more often (`sft.py` reports both rates);
-- shortcut: stop after any line and box the exact answer "in one's head": easy for one doubling,
-  hopeless for twenty, so shortcuts are mostly wrong on long problems.
+- merge: two doublings in one line ("cd:2992" multiplies by 4), saving 7 tokens; a x4 carry
+  depends on several digits to the right, so merged lines slip more often (`sft.py` measures it);
+- shortcut: stop after any line and guess, "?\\boxed{...}", the exact answer done "in one's
+  head": fine for one doubling, hopeless for twenty, so shortcuts are mostly wrong on long problems.
 The SFT data mixes them (`sft_response`), so pi_SFT can do either and PPO can drift between them.
 """
 
@@ -36,18 +35,17 @@ import torch
 from tokenizers import pre_tokenizers
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
 
-WIDTH = 3  # digits kept: the answer is x * 2^k mod 10**WIDTH
+WIDTH = 4  # digits kept: the answer is x * 2^k mod 10**WIDTH
 LABELS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"  # one per doubling
 MAX_DIFFICULTY = len(LABELS)
-DEFAULT_DIFFICULTY = (1, 36)  # 17 to ~335 response tokens
-MAX_MERGE = 2  # doublings per merged line (x4: a column reaches 4*9+3 = 39, carry 3)
-CARRY_MARKS = ".'\"^"  # carry 0, 1, 2, 3
+DEFAULT_DIFFICULTY = (1, 48)  # ~19 to ~350 response tokens
+MAX_MERGE = 2  # doublings per merged line
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
-ALPHABET = "0123456789=:" + CARRY_MARKS + "\n\\{}" + LABELS  # "boxed" is spelt with labels
+ALPHABET = "0123456789*^=:?\n\\{}" + LABELS  # "boxed" is spelt with labels
 
-_PROMPT = re.compile(r"(\d{%d})([a-zA-Z])=\n" % WIDTH)
-_LINE = re.compile(r"([a-zA-Z]+):((?:\d[%s]){%d})" % (re.escape(CARRY_MARKS), WIDTH))
-_BOX = re.compile(r"\\boxed\{([^{}]*)\}")
+_PROMPT = re.compile(r"(\d{%d})\*2\^([a-zA-Z])=\n" % WIDTH)
+_LINE = re.compile(r"([a-zA-Z]+):(\d{%d})" % WIDTH)
+_BOX = re.compile(r"\??\\boxed\{([^{}]*)\}")  # "?" marks a guess
 
 
 def build_tokenizer() -> Qwen2Tokenizer:
@@ -101,10 +99,6 @@ def make_tiny_model(
     return model
 
 
-def _rev(n: int) -> str:
-    return str(n).zfill(WIDTH)[::-1]
-
-
 def make_problems(
     n: int, seed: int, min_difficulty: int = DEFAULT_DIFFICULTY[0], max_difficulty: int = DEFAULT_DIFFICULTY[1]
 ) -> list[dict]:
@@ -118,7 +112,7 @@ def make_problems(
     problems = []
     for _ in range(n):
         k, x = rng.randint(min_difficulty, max_difficulty), rng.randint(10 ** (WIDTH - 1), 10**WIDTH - 1)
-        problems.append({"prompt": _rev(x) + LABELS[k - 1] + "=\n", "answer": str(x * 2**k % 10**WIDTH),
+        problems.append({"prompt": f"{x}*2^{LABELS[k - 1]}=\n", "answer": str(x * 2**k % 10**WIDTH),
                          "difficulty": k})
     return problems
 
@@ -128,29 +122,25 @@ def parse_prompt(prompt: str) -> tuple[int, int]:
     m = _PROMPT.fullmatch(prompt)
     if m is None:
         raise ValueError(f"not a task prompt: {prompt[:40]!r}")
-    return int(m.group(1)[::-1]), LABELS.index(m.group(2)) + 1
+    return int(m.group(1)), LABELS.index(m.group(2)) + 1
 
 
 def step_line(value: int, doublings: int, first: int) -> str:
-    """One reasoning line: `value` times 2**doublings, column by column with carries, labelled
-    from label index `first`; the carry out of the last column is dropped (mod 10**WIDTH)."""
+    """One reasoning line: the last WIDTH digits of `value` * 2**doublings, zero-padded (fixed
+    columns), labelled from label index `first`."""
     if not 1 <= doublings <= MAX_MERGE:
         raise ValueError(f"a line does 1 to {MAX_MERGE} doublings, not {doublings}")
-    cells, carry = [], 0
-    for digit in _rev(value):
-        s = int(digit) * 2**doublings + carry
-        carry = s // 10
-        cells.append(str(s % 10) + CARRY_MARKS[carry])
-    return LABELS[first : first + doublings] + ":" + "".join(cells) + "\n"
+    return LABELS[first : first + doublings] + ":" + str(value * 2**doublings % 10**WIDTH).zfill(WIDTH) + "\n"
 
 
 def sft_response(problem: dict, rng: random.Random, shortcut_prob: float = 0.3, merge_prob: float = 0.1) -> str:
     """A supervised trace for `problem`: full by default, with merged lines and/or an early stop.
 
     Each line does two doublings with probability merge_prob. With probability shortcut_prob the
-    trace stops after a uniformly drawn number of lines (0 .. all but one) and boxes the exact
-    answer, as if the rest were done mentally: every SFT target is right; a model's inability to
-    imitate it without the lines is what makes a shortcut costly.
+    trace stops after a uniformly drawn number of lines (0 .. all but one) and guesses: "?" and the
+    exact answer, as if the rest were done mentally. Every SFT target is right; a model's inability
+    to imitate it without the lines is what makes a shortcut costly. The "?" tells the model that
+    the box holds a guess rather than a copy of the last line.
     """
     if not (0.0 <= shortcut_prob <= 1.0 and 0.0 <= merge_prob <= 1.0):
         raise ValueError(f"probabilities must be in [0, 1], got {shortcut_prob}, {merge_prob}")
@@ -159,13 +149,14 @@ def sft_response(problem: dict, rng: random.Random, shortcut_prob: float = 0.3, 
     while done < k:
         groups.append(MAX_MERGE if done + 1 < k and rng.random() < merge_prob else 1)
         done += groups[-1]
-    if rng.random() < shortcut_prob:
+    guess = rng.random() < shortcut_prob
+    if guess:
         groups = groups[: rng.randrange(len(groups))]
     lines, value, done = [], x, 0
     for g in groups:
         lines.append(step_line(value, g, done))
         value, done = value * 2**g % 10**WIDTH, done + g
-    return "".join(lines) + "\\boxed{" + str(x * 2**k % 10**WIDTH) + "}"
+    return "".join(lines) + ("?" if guess else "") + "\\boxed{" + str(x * 2**k % 10**WIDTH) + "}"
 
 
 def full_response(problem: dict) -> str:
@@ -206,7 +197,7 @@ def parse_response(prompt: str, response: str) -> Trace:
         trace.line_ok.append(step_line(value, steps, done) == line + "\n")
         trace.line_steps.append(steps)
         trace.steps_done += steps
-        value = int(m.group(2)[0::2][::-1])  # the value as written, right or wrong
+        value = int(m.group(2))  # the value as written, right or wrong
     m = _BOX.fullmatch(last)
     if m is None:
         return trace

@@ -40,7 +40,7 @@ def test_full_traces_are_correct_under_the_task_arithmetic(problems):
         x, k = task.parse_prompt(p["prompt"])
         assert trace.strategy == "full"
         assert all(trace.line_ok) and len(trace.line_ok) == k == p["difficulty"]
-        assert trace.boxed == p["answer"] == str(x * 2**k % 1000)
+        assert trace.boxed == p["answer"] == str(x * 2**k % 10**task.WIDTH)
 
 
 def test_full_traces_are_graded_plus_one_and_wrong_boxes_minus_one(problems):
@@ -100,7 +100,7 @@ def test_lines_are_judged_against_the_value_written_above():
     # Line 3 still doubles the true value, so it disagrees with the slipped one above it;
     # line 4 agrees with line 3 as written.
     assert task.parse_response(p["prompt"], "\n".join(lines)).line_ok == [True, False, False, True]
-    written = int(lines[1][u::2][::-1])
+    written = int(lines[1][u:])
     lines[2] = task.step_line(written, 1, 2).rstrip("\n")
     assert task.parse_response(p["prompt"], "\n".join(lines)).line_ok == [True, False, True, False]
 
@@ -131,11 +131,11 @@ def test_bad_inputs_raise_value_errors(tokenizer):
     with pytest.raises(ValueError):
         task.parse_prompt("What is 2+2?")
     with pytest.raises(ValueError):
-        task.response_strategy("4370d=\n", "a:4'7.8.")  # x has exactly 3 digits
+        task.response_strategy("14370*2^d=\n", "a:2874")  # x has exactly WIDTH digits
     with pytest.raises(ValueError):
         task.step_line(437, 3, 0)  # at most MAX_MERGE doublings per line
     with pytest.raises(ValueError):
-        task.sft_response({"prompt": "734d=\n", "answer": "992"}, random.Random(0), shortcut_prob=1.5)
+        task.sft_response({"prompt": "1437*2^d=\n", "answer": "2992"}, random.Random(0), shortcut_prob=1.5)
     with pytest.raises(ValueError):
         task.make_tiny_model(tokenizer, hidden_size=96, num_heads=2)
 
