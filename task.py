@@ -6,21 +6,22 @@ thought, one doubling per line, 7 tokens per line plus the answer: k = 1 -> ~19 
 ~350 tokens, i.e. 17 GAE horizons 1/(1-0.95) = 20, so most decisions sit many horizons away
 from the reward.
 
-Lines are labelled a, b, ... and the prompt names the last label (k = 4 is "2^d"). Doubling is
-local: a digit receives a carry exactly when the digit to its right is 5 or more, so every digit
+Lines are labelled counting down: the prompt's exponent is a letter (k = 4 is "2^d"), the first
+line is labelled with it and the last one is always "a", so the model never has to count or to
+compare with the prompt to know when it is done. Doubling is local: a digit receives a carry exactly when the digit to its right is 5 or more, so every digit
 of a line depends on two digits of the line above, at fixed distances, and nothing must be
 searched for or reversed: a tiny model gets each line right nearly always, and a long chain
 still accumulates slips.
 
     prompt  1437*2^d=\n
-    full    a:2874\n        1437 * 2
-            b:5748\n        2874 * 2
-            c:1496\n        5748 * 2 = 11496, last four digits
-            d:2992\n
+    full    d:2874\n        1437 * 2
+            c:5748\n        2874 * 2
+            b:1496\n        5748 * 2 = 11496, last four digits
+            a:2992\n
             \boxed{2992}
 
 Two ways to shorten the reasoning exist at every line, each with a real but uncertain cost:
-- merge: two doublings in one line ("cd:2992" multiplies by 4), saving 7 tokens; a x4 carry
+- merge: two doublings in one line ("ba:2992" multiplies by 4), saving 7 tokens; a x4 carry
   depends on several digits to the right, so merged lines slip more often (`sft.py` measures it);
 - shortcut: stop after any line and guess, "?\\boxed{...}", the exact answer done "in one's
   head": fine for one doubling, hopeless for twenty, so shortcuts are mostly wrong on long problems.
@@ -36,7 +37,7 @@ from tokenizers import pre_tokenizers
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
 
 WIDTH = 4  # digits kept: the answer is x * 2^k mod 10**WIDTH
-LABELS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"  # one per doubling
+LABELS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"  # doublings left, 1 to 52
 MAX_DIFFICULTY = len(LABELS)
 DEFAULT_DIFFICULTY = (1, 48)  # ~19 to ~350 response tokens
 MAX_MERGE = 2  # doublings per merged line
@@ -125,12 +126,19 @@ def parse_prompt(prompt: str) -> tuple[int, int]:
     return int(m.group(1)), LABELS.index(m.group(2)) + 1
 
 
-def step_line(value: int, doublings: int, first: int) -> str:
+def _labels(left: int, doublings: int) -> str:
+    """Labels of a line that starts with `left` doublings to go: 4, 2 -> "dc"."""
+    return "".join(LABELS[left - 1 - i] for i in range(doublings))
+
+
+def step_line(value: int, doublings: int, left: int) -> str:
     """One reasoning line: the last WIDTH digits of `value` * 2**doublings, zero-padded (fixed
-    columns), labelled from label index `first`."""
+    columns), labelled with the doublings still `left` before it."""
     if not 1 <= doublings <= MAX_MERGE:
         raise ValueError(f"a line does 1 to {MAX_MERGE} doublings, not {doublings}")
-    return LABELS[first : first + doublings] + ":" + str(value * 2**doublings % 10**WIDTH).zfill(WIDTH) + "\n"
+    if doublings > left:
+        raise ValueError(f"{doublings} doublings with {left} left")
+    return _labels(left, doublings) + ":" + str(value * 2**doublings % 10**WIDTH).zfill(WIDTH) + "\n"
 
 
 def sft_response(problem: dict, rng: random.Random, shortcut_prob: float = 0.3, merge_prob: float = 0.1) -> str:
@@ -154,7 +162,7 @@ def sft_response(problem: dict, rng: random.Random, shortcut_prob: float = 0.3, 
         groups = groups[: rng.randrange(len(groups))]
     lines, value, done = [], x, 0
     for g in groups:
-        lines.append(step_line(value, g, done))
+        lines.append(step_line(value, g, k - done))
         value, done = value * 2**g % 10**WIDTH, done + g
     return "".join(lines) + ("?" if guess else "") + "\\boxed{" + str(x * 2**k % 10**WIDTH) + "}"
 
@@ -189,12 +197,10 @@ def parse_response(prompt: str, response: str) -> Trace:
     for line in lines:
         m = _LINE.fullmatch(line)
         done = trace.steps_done
-        if m is None or m.group(1) != LABELS[done : done + len(m.group(1))] or len(m.group(1)) > MAX_MERGE:
+        steps = len(m.group(1)) if m else 0
+        if m is None or steps > min(MAX_MERGE, k - done) or m.group(1) != _labels(k - done, steps):
             return trace
-        steps = len(m.group(1))
-        if done + steps > k:
-            return trace
-        trace.line_ok.append(step_line(value, steps, done) == line + "\n")
+        trace.line_ok.append(step_line(value, steps, k - done) == line + "\n")
         trace.line_steps.append(steps)
         trace.steps_done += steps
         value = int(m.group(2))  # the value as written, right or wrong

@@ -101,12 +101,12 @@ def test_lines_are_judged_against_the_value_written_above():
     # line 4 agrees with line 3 as written.
     assert task.parse_response(p["prompt"], "\n".join(lines)).line_ok == [True, False, False, True]
     written = int(lines[1][u:])
-    lines[2] = task.step_line(written, 1, 2).rstrip("\n")
+    lines[2] = task.step_line(written, 1, 2).rstrip("\n")  # 2 doublings left before line 3
     assert task.parse_response(p["prompt"], "\n".join(lines)).line_ok == [True, False, True, False]
 
 
 @pytest.mark.parametrize("edit", ["drop_box", "skip_label", "repeat_line", "past_the_end", "triple_merge",
-                                  "trailing_text", "garbage"])
+                                  "labels_up", "trailing_text", "garbage"])
 def test_malformed_responses_are_invalid(edit):
     p = task.make_problems(1, seed=1, min_difficulty=5, max_difficulty=5)[0]
     x, _ = task.parse_prompt(p["prompt"])
@@ -115,8 +115,9 @@ def test_malformed_responses_are_invalid(edit):
         "drop_box": "\n".join(lines[:-1]) + "\n",
         "skip_label": "\n".join(lines[:1] + lines[2:]),
         "repeat_line": "\n".join(lines[:2] + lines[1:]),
-        "past_the_end": "\n".join(lines[:-1] + ["f" + lines[0][1:], lines[-1]]),
-        "triple_merge": "abc" + task.step_line(x, 1, 0)[1:] + "\n".join(lines[3:]),
+        "past_the_end": "\n".join(lines[:-1] + ["a" + lines[0][1:], lines[-1]]),
+        "triple_merge": "edc" + task.step_line(x, 1, 5)[1:] + "\n".join(lines[3:]),
+        "labels_up": "\n".join("abcde"[i] + line[1:] for i, line in enumerate(lines[:-1])) + "\n" + lines[-1],
         "trailing_text": "\n".join(lines) + "\n0",
         "garbage": "hello",
     }[edit]
@@ -133,7 +134,9 @@ def test_bad_inputs_raise_value_errors(tokenizer):
     with pytest.raises(ValueError):
         task.response_strategy("14370*2^d=\n", "a:2874")  # x has exactly WIDTH digits
     with pytest.raises(ValueError):
-        task.step_line(437, 3, 0)  # at most MAX_MERGE doublings per line
+        task.step_line(1437, 3, 5)  # at most MAX_MERGE doublings per line
+    with pytest.raises(ValueError):
+        task.step_line(1437, 2, 1)  # more doublings than are left
     with pytest.raises(ValueError):
         task.sft_response({"prompt": "1437*2^d=\n", "answer": "2992"}, random.Random(0), shortcut_prob=1.5)
     with pytest.raises(ValueError):
