@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import task
+from reward import rule_reward
+from rollout import HFRollout, decode_responses
 
 
 @dataclass
@@ -33,9 +35,9 @@ class SFTConfig:
     """where the checkpoint (model + tokenizer) is written"""
     seed: int = 0
     """seeds the model init and the training problems"""
-    steps: int = 500
+    steps: int = 800
     """optimizer steps"""
-    batch_size: int = 32
+    batch_size: int = 16
     """sequences per optimizer step"""
     micro_batch_size: int = 16
     """sequences per forward pass; a step's sequences are sorted by length first to cut padding"""
@@ -48,24 +50,22 @@ class SFTConfig:
     max_grad_norm: float = 1.0
     """gradient clipping"""
     min_difficulty: int = task.DEFAULT_DIFFICULTY[0]
-    """fewest terms per training problem"""
+    """smallest k (doublings) of a training problem"""
     max_difficulty: int = task.DEFAULT_DIFFICULTY[1]
-    """most terms per training problem"""
-    length_bias: float = 1.0
+    """largest k of a training problem"""
+    length_bias: float = 0.5
     """difficulty k is drawn with weight k**-length_bias: short problems are cheaper and teach the
     same per-line skills; 0 draws k uniformly (as the RL prompts are)"""
-    shortcut_prob: float = 0.3
-    """share of training traces that stop early and box the answer (see task.sft_response)"""
-    merge_prob: float = 0.1
-    """per line: chance of adding two terms at once"""
+    shortcut_prob: float = 0.25
+    """share of training traces that stop early and guess the answer (see task.sft_response)"""
+    merge_prob: float = 0.15
+    """per line: chance of two doublings at once"""
     num_layers: int = 3
     """decoder layers of the tiny model"""
     hidden_size: int = 128
     """model width (head_dim is 64, so hidden_size / 64 heads)"""
     intermediate_size: int = 384
     """MLP width"""
-    threads: int = 2
-    """torch CPU threads"""
 
 
 def _lr_factor(step: int, cfg: SFTConfig) -> float:
@@ -126,7 +126,6 @@ def train_sft(cfg: SFTConfig, model=None, tokenizer=None) -> dict:
     """Train pi_SFT and save it to cfg.out_dir; returns a summary (losses, time, path)."""
     if cfg.steps < 1 or cfg.batch_size < 1 or cfg.micro_batch_size < 1:
         raise ValueError("steps, batch_size and micro_batch_size must be >= 1")
-    torch.set_num_threads(cfg.threads)
     tokenizer = tokenizer or task.build_tokenizer()
     if model is None:
         model = task.make_tiny_model(tokenizer, num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
@@ -163,9 +162,7 @@ def train_sft(cfg: SFTConfig, model=None, tokenizer=None) -> dict:
 
 def evaluate_task(model, tokenizer, problems: list[dict], max_new_tokens: int = 400, batch_size: int = 64,
                   temperature: float = 1.0, seed: int = 0) -> dict:
-    """Sample one response per problem and report what pi_SFT does (exact-match grading of the box)."""
-    from rollout import HFRollout, decode_responses  # generation backend of the project
-
+    """Sample one response per problem and report what pi_SFT does, graded by `reward.rule_reward`."""
     engine = HFRollout(model, tokenizer)
     rows = []
     for i in range(0, len(problems), batch_size):
@@ -174,49 +171,56 @@ def evaluate_task(model, tokenizer, problems: list[dict], max_new_tokens: int = 
         batch = engine.generate(ids, max_new_tokens, temperature=temperature, seed=seed + i)
         for p, text, n in zip(chunk, decode_responses(tokenizer, batch), batch.lengths.tolist()):
             trace = task.parse_response(p["prompt"], text)
-            rows.append((p, trace, trace.boxed == p["answer"], n))
+            rows.append((p, trace, rule_reward(text, p["answer"]) > 0, n))
     return summarize(rows)
 
 
-def summarize(rows: list[tuple]) -> dict:
-    """rows of (problem, Trace, correct, length) -> accuracy / length by difficulty and by strategy."""
-    def stats(sel):
-        return {"n": len(sel), "accuracy": sum(r[2] for r in sel) / max(1, len(sel)),
-                "mean_length": sum(r[3] for r in sel) / max(1, len(sel))}
+def _stats(rows: list[tuple]) -> dict:
+    n = max(1, len(rows))
+    return {"n": len(rows), "accuracy": sum(r[2] for r in rows) / n, "mean_length": sum(r[3] for r in rows) / n}
 
-    by_diff, by_strategy = defaultdict(list), defaultdict(list)
-    line_ok = {1: [], 2: []}
+
+def summarize(rows: list[tuple], bucket: int = 4) -> dict:
+    """rows of (problem, Trace, correct, length) -> accuracy and length overall, by strategy, by
+    difficulty (grouped by `bucket`, with the shortcut share and both strategies' accuracy), and
+    per-line accuracy of single and merged lines."""
+    by_strategy, by_bucket, line_ok = defaultdict(list), defaultdict(list), {"single": [], "merged": []}
     for r in rows:
-        by_diff[r[0]["difficulty"]].append(r)
         by_strategy[r[1].strategy].append(r)
-        for ok, n in zip(r[1].line_ok, r[1].line_terms):
-            line_ok[min(n, 2)].append(ok)
-    out = stats(rows)
-    out["by_difficulty"] = {d: stats(v) for d, v in sorted(by_diff.items())}
-    out["by_strategy"] = {s: {**stats(v), "share": len(v) / len(rows)} for s, v in sorted(by_strategy.items())}
-    out["line_accuracy"] = {("single" if n == 1 else "merged"): (sum(v) / len(v) if v else None, len(v))
-                            for n, v in line_ok.items()}
+        by_bucket[(r[0]["difficulty"] - 1) // bucket].append(r)
+        for ok, steps in zip(r[1].line_ok, r[1].line_steps):
+            line_ok["single" if steps == 1 else "merged"].append(ok)
+    out = _stats(rows)
+    out["by_strategy"] = {s: {**_stats(v), "share": len(v) / len(rows)} for s, v in sorted(by_strategy.items())}
+    out["by_difficulty"] = {}
+    for b, v in sorted(by_bucket.items()):
+        short = [r for r in v if r[1].strategy == "shortcut"]
+        worked = [r for r in v if r[1].strategy in ("full", "merged")]
+        out["by_difficulty"][f"{b * bucket + 1}-{b * bucket + bucket}"] = {
+            **_stats(v), "shortcut_share": len(short) / len(v),
+            "shortcut_accuracy": _stats(short)["accuracy"] if short else None,
+            "worked_accuracy": _stats(worked)["accuracy"] if worked else None}
+    out["line_accuracy"] = {kind: (sum(v) / len(v) if v else None, len(v)) for kind, v in line_ok.items()}
     return out
 
 
-def format_report(report: dict, bucket: int = 4) -> str:
-    """Markdown tables of `evaluate_task`'s result, difficulties grouped by `bucket`."""
+def format_report(report: dict) -> str:
+    """Markdown tables of a `summarize` result."""
+    def f(x):
+        return "-" if x is None else f"{x:.2f}"
+
     lines = [f"accuracy {report['accuracy']:.3f}, mean length {report['mean_length']:.1f} tokens, n={report['n']}",
-             "", "| difficulty | n | accuracy | mean length |", "|---|---|---|---|"]
-    groups = defaultdict(list)
-    for d, s in report["by_difficulty"].items():
-        groups[(d - 1) // bucket].append(s)
-    for g, ss in sorted(groups.items()):
-        n = sum(s["n"] for s in ss)
-        acc = sum(s["accuracy"] * s["n"] for s in ss) / n
-        length = sum(s["mean_length"] * s["n"] for s in ss) / n
-        lines.append(f"| {g * bucket + 1}-{g * bucket + bucket} | {n} | {acc:.2f} | {length:.0f} |")
+             "", "| difficulty | n | accuracy | mean length | shortcut share | shortcut acc. | full+merged acc. |",
+             "|---|---|---|---|---|---|---|"]
+    for d, v in report["by_difficulty"].items():
+        lines.append(f"| {d} | {v['n']} | {v['accuracy']:.2f} | {v['mean_length']:.0f} | {v['shortcut_share']:.2f} "
+                     f"| {f(v['shortcut_accuracy'])} | {f(v['worked_accuracy'])} |")
     lines += ["", "| strategy | share | accuracy | mean length |", "|---|---|---|---|"]
     for s, v in report["by_strategy"].items():
         lines.append(f"| {s} | {v['share']:.2f} | {v['accuracy']:.2f} | {v['mean_length']:.0f} |")
+    lines.append("")
     for kind, (acc, n) in report["line_accuracy"].items():
-        if n:
-            lines.append(f"\nper-line accuracy ({kind} lines): {acc:.3f} over {n} lines")
+        lines.append(f"per-line accuracy, {kind} lines: {f(acc)} over {n} lines")
     return "\n".join(lines)
 
 
@@ -226,12 +230,15 @@ class Args(SFTConfig):
     """held-out problems sampled (temperature 1) for the report after training; 0 skips it"""
     eval_seed: int = 1234
     """seed of the held-out problems and of sampling"""
+    threads: int = 1
+    """torch CPU threads: on a shared 2-core machine 2 threads can be many times slower than 1"""
 
 
 if __name__ == "__main__":
     import tyro
 
     args = tyro.cli(Args)
+    torch.set_num_threads(args.threads)
     train_sft(args)
     if args.eval_problems:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -252,10 +259,14 @@ def prepare_sft(cfg) -> str:
         if not Path(cfg.model, "config.json").is_file():
             raise FileNotFoundError(f"--model {cfg.model}: no Hugging Face checkpoint (config.json) there")
         return cfg.model
+    import torch.distributed as dist
+
     path = Path(cfg.out_dir, "_shared", "sft")
-    if not path.exists():
+    if not path.exists() and (not dist.is_initialized() or dist.get_rank() == 0):
         tmp = path.with_name("sft.tmp")  # renamed when complete: a killed SFT is redone, not reused
         steps = {} if cfg.sft_steps is None else {"steps": cfg.sft_steps}
         train_sft(SFTConfig(out_dir=str(tmp), **steps))
         tmp.rename(path)
+    if dist.is_initialized():
+        dist.barrier()  # under torchrun rank 0 trains it once; the others wait for it
     return str(path)

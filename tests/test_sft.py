@@ -62,7 +62,8 @@ def test_report_counts_strategies_and_line_accuracy():
     p = task.make_problems(1, seed=2, min_difficulty=3, max_difficulty=3)[0]
     full = task.full_response(p)
     lines = full.split("\n")
-    lines[0] = lines[0][:4] + str((int(lines[0][4]) + 1) % 10) + lines[0][5:]  # slip in line 1 only
+    u = lines[0].index(":") + 1
+    lines[0] = lines[0][:u] + str((int(lines[0][u]) + 1) % 10) + lines[0][u + 1 :]  # slip in line 1 only
     slipped, shortcut = "\n".join(lines), "\\boxed{1}"
     rows = [(p, task.parse_response(p["prompt"], r), task.parse_response(p["prompt"], r).boxed == p["answer"], len(r))
             for r in (full, slipped, shortcut, "garbage")]
@@ -71,6 +72,8 @@ def test_report_counts_strategies_and_line_accuracy():
     assert report["by_strategy"]["full"]["share"] == 0.5 and report["by_strategy"]["full"]["accuracy"] == 1.0
     assert report["by_strategy"]["shortcut"]["accuracy"] == 0.0
     assert report["line_accuracy"]["single"] == (4 / 6, 6)  # slipped: lines 1 and 2 disagree
+    assert report["by_difficulty"]["1-4"]["shortcut_share"] == 0.25
+    assert report["by_difficulty"]["1-4"]["worked_accuracy"] == 1.0
     assert "| 1-4 | 4 | 0.50 |" in sft.format_report(report)
 
 
