@@ -163,3 +163,16 @@ def test_run_killed_mid_way_resumes_to_the_same_final_metrics(out_dir, sft):
         for key, value in ra.items():
             if not key.startswith(("time/", "perf/")):
                 assert rb[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (ra["step"], key)
+
+
+@pytest.mark.slow
+def test_whole_pipeline_runs_under_torchrun_with_fsdp2_and_vllm(tmp_path):
+    """Issue 5's end-to-end check: 2 ranks (gloo), FSDP2 actor and critic, vLLM tensor parallel 2."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(ROOT / "train.py"),
+           "--out-dir", str(tmp_path), *MICRO, "--sft-steps", "4", "--steps", "2", "--value-pretrain-steps", "1",
+           "--rollout", "vllm", "--tensor-parallel-size", "2"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_dir = tmp_path / "tiny__sft__seed0"
+    assert [r["step"] for r in read_metrics(run_dir)] == [0, 1]
+    assert (run_dir / "summary.json").exists() and (run_dir / "value_pretrain" / "critic").is_dir()
