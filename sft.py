@@ -2,7 +2,8 @@
 
 Trains a tiny Qwen2 from scratch on the built-in task's traces (`task.sft_response`: mostly full
 chains of thought, some merged lines, some shortcuts), with the loss on response tokens only,
-then writes a Hugging Face checkpoint (model + tokenizer) that `train.py` loads as the policy.
+then writes a Hugging Face checkpoint (model + tokenizer) that `train.py` loads as the policy
+(`prepare_sft`, its SFT stage, trains it once and caches it).
 
     python sft.py --out-dir runs/_shared/sft            # ~5 min on 2 CPU cores, then a report
     python sft.py --steps 40 --eval-problems 32         # smoke run
@@ -13,8 +14,10 @@ difficulty, the share and accuracy of each strategy, and per-line accuracy of th
 
 from __future__ import annotations
 
+import json
 import math
 import random
+import shutil
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass
@@ -160,6 +163,31 @@ def train_sft(cfg: SFTConfig, model=None, tokenizer=None) -> dict:
     return summary
 
 
+def prepare_sft(cfg) -> str:
+    """The pi_SFT of a run (`train.py`'s first stage): `cfg.model` when given, else the built-in
+    task's cold start, trained once into <cfg.out_dir>/_shared/sft (`cfg.sft_steps` steps, None:
+    the default) and reused by every later run."""
+    if cfg.model is not None:
+        if not Path(cfg.model, "config.json").is_file():
+            raise FileNotFoundError(f"--model {cfg.model}: no Hugging Face checkpoint (config.json) there")
+        return cfg.model
+    path = Path(cfg.out_dir) / "_shared" / "sft"
+    if (path / "config.json").exists():
+        print(f"SFT: reusing {path}")
+        return str(path)
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if not distributed or torch.distributed.get_rank() == 0:
+        tmp = path.with_name("sft.partial")  # renamed when complete: a killed run leaves no half cache
+        shutil.rmtree(tmp, ignore_errors=True)
+        steps = {"steps": cfg.sft_steps} if cfg.sft_steps else {}
+        summary = train_sft(SFTConfig(out_dir=str(tmp), **steps))
+        (tmp / "sft_summary.json").write_text(json.dumps({**summary, "out_dir": str(path)}, indent=2))
+        tmp.rename(path)
+    if distributed:
+        torch.distributed.barrier()  # under torchrun rank 0 trains it once; the others wait for it
+    return str(path)
+
+
 def evaluate_task(model, tokenizer, problems: list[dict], max_new_tokens: int = 400, batch_size: int = 64,
                   temperature: float = 1.0, seed: int = 0) -> dict:
     """Sample one response per problem and report what pi_SFT does, graded by `reward.rule_reward`."""
@@ -250,23 +278,3 @@ if __name__ == "__main__":
         report = evaluate_task(policy, tok, held_out, seed=args.eval_seed)
         print(format_report(report))
         print(f"(evaluation took {time.time() - t0:.0f} s)")
-
-
-def prepare_sft(cfg) -> str:
-    """The pi_SFT of a run (`train.py`'s first stage): `--model` when given, else the built-in
-    task's cold start, trained once into <out_dir>/_shared/sft and reused by every later run."""
-    if cfg.model is not None:
-        if not Path(cfg.model, "config.json").is_file():
-            raise FileNotFoundError(f"--model {cfg.model}: no Hugging Face checkpoint (config.json) there")
-        return cfg.model
-    import torch.distributed as dist
-
-    path = Path(cfg.out_dir, "_shared", "sft")
-    if not path.exists() and (not dist.is_initialized() or dist.get_rank() == 0):
-        tmp = path.with_name("sft.tmp")  # renamed when complete: a killed SFT is redone, not reused
-        steps = {} if cfg.sft_steps is None else {"steps": cfg.sft_steps}
-        train_sft(SFTConfig(out_dir=str(tmp), **steps))
-        tmp.rename(path)
-    if dist.is_initialized():
-        dist.barrier()  # under torchrun rank 0 trains it once; the others wait for it
-    return str(path)

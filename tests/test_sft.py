@@ -1,5 +1,6 @@
 """SFT cold start (sft.py): response-only loss, token-mean accumulation, a smoke run, the report."""
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -83,3 +84,15 @@ def test_evaluate_task_samples_and_parses_an_untrained_model():
     report = sft.evaluate_task(_tiny(tokenizer), tokenizer, problems, max_new_tokens=8, seed=0)
     assert report["n"] == 4 and sum(v["share"] for v in report["by_strategy"].values()) == pytest.approx(1.0)
     assert 0 < report["mean_length"] <= 8
+
+
+def test_prepare_sft_trains_once_then_reuses_the_cache(tmp_path, monkeypatch):
+    cfg = SimpleNamespace(model=None, out_dir=str(tmp_path), sft_steps=2)
+    path = sft.prepare_sft(cfg)
+    assert path == str(tmp_path / "_shared" / "sft") and (tmp_path / "_shared" / "sft" / "sft_summary.json").exists()
+    assert not (tmp_path / "_shared" / "sft.partial").exists()
+    monkeypatch.setattr(sft, "train_sft", lambda *a, **k: pytest.fail("the cached pi_SFT was retrained"))
+    assert sft.prepare_sft(cfg) == path
+    assert sft.prepare_sft(SimpleNamespace(model=path, out_dir="elsewhere", sft_steps=2)) == path
+    with pytest.raises(FileNotFoundError):
+        sft.prepare_sft(SimpleNamespace(model=str(tmp_path), out_dir=str(tmp_path), sft_steps=2))
