@@ -58,7 +58,7 @@ class Args:
     critic: str | None = None
     """value-pretrained critic; None: <out_dir>/<run_name>/value_pretrain/critic"""
     build: bool = False
-    """run train.py's missing stages first (SFT, ORM, value pretraining) instead of skipping a critic"""
+    """run train.py's missing stages first (SFT, ORM, value pretraining), at train.py's own paths only"""
     rollouts: int = 128
     """responses sampled from pi_SFT (one per prompt)"""
     batch_size: int = 32
@@ -83,7 +83,7 @@ class BiasResult:
     pearson: dict[str, dict[float, float]]  # critic -> lambda -> token-level corr(A_t, t)
     first_bin_se: dict[str, dict[float, float]]  # standard error of the first bin's mean, over responses
     skipped: dict[str, str]  # critic -> why it has no curve
-    rollout: dict  # responses, mean length, accuracy, truncated share, seconds
+    rollout: dict  # responses, mean and max length, accuracy, truncated share
 
 
 def check_args(args: Args) -> None:
