@@ -76,13 +76,13 @@ class Config:
     """built-in task: SFT steps of the cold start (None: sft.py's default)"""
     task_train_size: int = 20000
     """built-in task: number of training problems"""
-    task_eval_size: int = 128
+    task_eval_size: int = 64
     """built-in task: number of held-out problems"""
 
     # --- VC-PPO switches (each one is an ablation of the paper)
     critic_init: Literal["rm", "sft"] = "sft"
     """critic initialisation: `rm` (outcome reward model, plain PPO) or `sft` (pi_SFT + fresh head)"""
-    value_pretrain_steps: int = 30
+    value_pretrain_steps: int = 20
     """value pretraining steps against the frozen pi_SFT (§3.2); 0 disables"""
     lam_actor: float = 0.95
     """GAE lambda for the policy's advantages (§3.3)"""
@@ -96,7 +96,7 @@ class Config:
     """discount (the paper uses 1.0)"""
 
     # --- PPO
-    steps: int = 40
+    steps: int = 30
     """PPO steps"""
     prompts_per_step: int = 32
     """prompts per rollout batch"""
@@ -110,7 +110,7 @@ class Config:
     """rows per forward/backward (gradient accumulation; does not change the result)"""
     actor_lr: float = 5e-5
     """actor learning rate (AdamW)"""
-    critic_lr: float = 2e-4
+    critic_lr: float = 3e-4
     """critic learning rate (AdamW), also used for value pretraining"""
     lr_warmup_steps: int = 0
     """linear warm-up steps, then constant"""
