@@ -8,10 +8,12 @@ from the reward.
 
 Lines are labelled counting down: the prompt's exponent is a letter (k = 4 is "2^d"), the first
 line is labelled with it and the last one is always "a", so the model never has to count or to
-compare with the prompt to know when it is done. Doubling is local: a digit receives a carry exactly when the digit to its right is 5 or more, so every digit
-of a line depends on two digits of the line above, at fixed distances, and nothing must be
-searched for or reversed: a tiny model gets each line right nearly always, and a long chain
-still accumulates slips.
+compare with the prompt to know when it is done. Doubling is local: a digit receives a carry
+exactly when the digit to its right is 5 or more, so every digit of a line depends on two digits
+of the line above, at fixed distances, and nothing must be searched for or reversed. (Designs
+that needed either, e.g. sums whose every line copies the next term from the prompt, were not
+learnt by a tiny model within the SFT budget.) A tiny model gets a line right nearly always; a
+long chain still accumulates slips, in its merged lines and its structure.
 
     prompt  1437*2^d=\n
     full    d:2874\n        1437 * 2
@@ -24,7 +26,8 @@ Two ways to shorten the reasoning exist at every line, each with a real but unce
 - merge: two doublings in one line ("ba:2992" multiplies by 4), saving 7 tokens; a x4 carry
   depends on several digits to the right, so merged lines slip more often (`sft.py` measures it);
 - shortcut: stop after any line and guess, "?\\boxed{...}", the exact answer done "in one's
-  head": fine for one doubling, hopeless for twenty, so shortcuts are mostly wrong on long problems.
+  head": one doubling is a line's work, twenty are hopeless, so shortcuts are mostly wrong on
+  long problems (the default pi_SFT gets almost none right).
 The SFT data mixes them (`sft_response`), so pi_SFT can do either and PPO can drift between them.
 """
 
