@@ -76,16 +76,15 @@ def test_critic_from_orm_and_from_sft_differ_only_in_the_head_source(out_dir, sf
     assert sft_layer.shape == orm_layer.shape and not sft_layer.equal(orm_layer)  # ORM backbone trained
 
 
-class ShortProblemGrader:
-    """+1 when the problem's answer is below a threshold (the median: short sums have small
-    answers): an outcome that varies across prompts and that a critic can learn from the
-    prompt's length alone."""
+class EasyProblemGrader:
+    """+1 for the easiest problems (difficulty 1), -1 for the others: an outcome that varies across
+    prompts and that a critic can learn from the prompt alone, whatever the policy writes."""
 
-    def __init__(self, threshold: int):
-        self.threshold = threshold
+    def __init__(self, records):
+        self.difficulty = {r["answer"]: r["difficulty"] for r in records}
 
     def grade(self, responses, answers):
-        rewards = [1.0 if int(answer) < self.threshold else -1.0 for answer in answers]
+        rewards = [1.0 if self.difficulty[a] == 1 else -1.0 for a in answers]
         return GradeResult(rewards=rewards, num_timeouts=0, num_missing_box=0)
 
 
@@ -94,7 +93,7 @@ def test_value_pretraining_lowers_value_loss_and_raises_explained_variance(out_d
 
     import task
     from critic import load_value_model
-    from data import prepare_data
+    from data import encode_prompt
     from rollout import HFRollout
     from value_pretrain import pretrain_value
 
@@ -105,12 +104,14 @@ def test_value_pretraining_lowers_value_loss_and_raises_explained_variance(out_d
     tokenizer = task.build_tokenizer()
     policy = task.make_tiny_model(tokenizer, num_layers=2, intermediate_size=256, seed=0)
     policy.save_pretrained(tmp_path / "policy")
-    records, _ = prepare_data(cfg, tokenizer)
-    median = sorted(int(r["answer"]) for r in records)[len(records) // 2]
+    # Two difficulties only (the prompt's exponent letter tells them apart), half easy, half hard.
+    problems = task.make_problems(32, seed=1, min_difficulty=1, max_difficulty=1) + \
+        task.make_problems(32, seed=2, min_difficulty=48, max_difficulty=48)
+    records = [{**p, "prompt_ids": encode_prompt(tokenizer, p["prompt"])} for p in problems]
     critic = load_value_model(str(tmp_path / "policy"))
     optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr)
     history = pretrain_value(cfg, critic, optimizer, HFRollout(policy, tokenizer), tokenizer, records,
-                             ShortProblemGrader(median), str(tmp_path / "value_pretrain"))
+                             EasyProblemGrader(records), str(tmp_path / "value_pretrain"))
     first, last = history[:3], history[-3:]
     mean = lambda rows, key: sum(r[key] for r in rows) / len(rows)
     assert mean(last, "value_loss") < 0.5 * mean(first, "value_loss")
