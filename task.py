@@ -144,7 +144,7 @@ def step_line(value: int, doublings: int, left: int) -> str:
     return _labels(left, doublings) + ":" + str(value * 2**doublings % 10**WIDTH).zfill(WIDTH) + "\n"
 
 
-def sft_response(problem: dict, rng: random.Random, shortcut_prob: float = 0.3, merge_prob: float = 0.1) -> str:
+def sft_response(problem: dict, rng: random.Random, shortcut_prob: float = 0.25, merge_prob: float = 0.15) -> str:
     """A supervised trace for `problem`: full by default, with merged lines and/or an early stop.
 
     Each line does two doublings with probability merge_prob. With probability shortcut_prob the
