@@ -14,6 +14,7 @@ One PPO step: rollout -> reward -> values and log-probs -> decoupled GAE -> PPO 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -33,11 +34,11 @@ from data import prepare_data, sample_prompts
 from evaluate import evaluate
 from gae import decoupled_gae, grpo_advantages, length_adaptive_lambda
 from ppo import entropy_from_logits, explained_variance, kl_penalty, masked_mean, masked_whiten
-from ppo import policy_loss, response_logprobs, update_model, value_loss
+from ppo import policy_loss, response_logprobs, update_model
 from reward import Grader, prepare_orm, score_rollout
 from rollout import HFRollout, VLLMRollout, decode_responses
 from sft import prepare_sft
-from value_pretrain import pretrain_value
+from value_pretrain import critic_loss, pretrain_value
 
 @dataclasses.dataclass
 class Config:
@@ -288,14 +289,6 @@ def actor_loss(actor, micro, rows, normalizer, cfg):
     return loss, metrics
 
 
-def critic_loss(critic, micro, rows, normalizer, cfg):
-    values = response_values(critic, micro)
-    return value_loss(
-        values, rows["old_values"], rows["returns"], micro.response_mask,
-        clip=cfg.value_clip, mode=cfg.loss_agg, normalizer=normalizer,
-    )
-
-
 def advantage_by_position(advantages, mask, bins: int = POSITION_BINS) -> list[float]:
     """Mean advantage over tokens in each relative-position bin of their response (early -> late)."""
     lengths = mask.sum(-1, keepdim=True).clamp(min=1)
@@ -347,7 +340,9 @@ def ppo_step(cfg, step, actor, critic, optimizers, engine, tokenizer, records, g
     actor_opt, critic_opt = optimizers
     metrics = update_model(cfg, actor, actor_opt, batch, rows, actor_loss, seed=step, prefix="actor")
     if cfg.estimator == "gae":
-        metrics |= update_model(cfg, critic, critic_opt, batch, rows, critic_loss, seed=step, prefix="critic")
+        clipped_critic_loss = functools.partial(critic_loss, clip=cfg.value_clip)
+        metrics |= update_model(cfg, critic, critic_opt, batch, rows, clipped_critic_loss, seed=step,
+                                prefix="critic")
     timings["update"] = time.perf_counter() - t0
 
     lengths = batch.lengths.float()

@@ -67,7 +67,7 @@ def pretrain_value(cfg, critic, critic_optimizer, engine, tokenizer, records, gr
         # Critic targets with lambda = 1: the Monte-Carlo return, no lambda^(T-t) decay (§3.3).
         _, returns = compute_gae(token_rewards, values, batch.response_mask, cfg.gamma, lam=1.0)
         rows = {"returns": returns, "old_values": values}
-        metrics = update_model(cfg, critic, critic_optimizer, batch, rows, _critic_loss,
+        metrics = update_model(cfg, critic, critic_optimizer, batch, rows, critic_loss,
                                seed=500_000 + step, prefix="critic")
         assert_finite(critic, "critic")
         row = {
@@ -89,10 +89,11 @@ def pretrain_value(cfg, critic, critic_optimizer, engine, tokenizer, records, gr
     return history
 
 
-def _critic_loss(critic, micro, rows, normalizer, cfg):
+def critic_loss(critic, micro, rows, normalizer, cfg, clip=None):
+    """Value loss (Eq. 2) of one micro-batch, for `ppo.update_model`. PPO clips around the old
+    values (`cfg.value_clip`); pretraining does not, so the critic moves freely to the MC return."""
     values = response_values(critic, micro)
-    # No clipping here: during pretraining the critic should move freely towards the MC return.
     return value_loss(
         values, rows["old_values"], rows["returns"], micro.response_mask,
-        clip=None, mode=cfg.loss_agg, normalizer=normalizer,
+        clip=clip, mode=cfg.loss_agg, normalizer=normalizer,
     )
