@@ -280,9 +280,12 @@ def update_model(cfg, model, optimizer, batch, rows, loss_fn, seed, prefix):
             local = mask.sum() if cfg.loss_agg == "token-mean" else torch.tensor(float(len(minibatch)))
             normalizer = all_reduce_sum(local.clone()).item()
             optimizer.zero_grad(set_to_none=True)
-            for micro_rows in minibatch.split(cfg.micro_batch_size):
-                micro = batch.select(micro_rows)
-                loss, metrics = loss_fn(model, micro, {k: v[micro_rows] for k, v in rows.items()},
+            # Rows sorted by length, so each micro-batch is trimmed to its own longest response.
+            by_length = minibatch[batch.lengths[minibatch].argsort(stable=True)]
+            for micro_rows in by_length.split(cfg.micro_batch_size):
+                micro = batch.select(micro_rows).trim()
+                width = micro.response_ids.shape[1]
+                loss, metrics = loss_fn(model, micro, {k: v[micro_rows, :width] for k, v in rows.items()},
                                         normalizer, cfg)
                 loss.backward()
                 share = (micro.response_mask.sum() / mask.sum().clamp(min=1)).item()

@@ -59,6 +59,14 @@ class RolloutBatch:
         P, T = self.prompt_ids.shape[1], self.response_ids.shape[1]
         return outputs[:, P - 1 : P - 1 + T]
 
+    def trim(self) -> "RolloutBatch":
+        """Drop the padding columns no row uses (left of the longest prompt, right of the longest
+        response): a micro-batch of short responses then costs what they do, not what the longest
+        response of the whole batch does. Positions count real tokens, so outputs do not change."""
+        P, T = int(self.prompt_mask.sum(-1).max()), int(self.lengths.max())
+        return RolloutBatch(self.prompt_ids[:, -P:], self.prompt_mask[:, -P:], self.response_ids[:, :T],
+                            self.response_mask[:, :T], self.logprobs[:, :T], self.finish_reasons)
+
     def select(self, index) -> "RolloutBatch":
         """Rows `index` (a slice, list or tensor of row numbers); padding widths are kept."""
         if isinstance(index, slice):

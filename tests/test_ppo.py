@@ -282,3 +282,63 @@ def test_check_masked_inputs_accepts_bool_masks_and_non_prefix_masks_unless_righ
     with pytest.raises(ValueError, match="right-padded"):
         check_masked_inputs(mask, right_padded=True)
     check_masked_inputs(torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]]), right_padded=True)
+
+
+
+def ragged_rollout(seed=0):
+    """A tiny random policy and a RolloutBatch of ragged prompts and responses (random tokens)."""
+    import task
+    from rollout import RolloutBatch, left_pad
+
+    tokenizer = task.build_tokenizer()
+    model = task.make_tiny_model(tokenizer, num_layers=2, intermediate_size=256, seed=seed)
+    texts = ["+21=\n", "+73+58+21+49+11=\n", "+10+10=\n", "+5=\n", "+99+1+7=\n", "+3+3+3+3+3+3+3=\n", "+8=\n"]
+    prompt_ids, prompt_mask = left_pad([tokenizer(t)["input_ids"] for t in texts], tokenizer.pad_token_id)
+    gen = torch.Generator().manual_seed(seed)
+    mask = ragged_mask(len(texts), 24, seed)
+    response_ids = torch.randint(5, 20, mask.shape, generator=gen) * mask.long()
+    batch = RolloutBatch(prompt_ids, prompt_mask, response_ids, mask, torch.zeros_like(mask), ["stop"] * len(texts))
+    with torch.no_grad():
+        logits = batch.response_slice(model(**batch.model_inputs()).logits)
+    batch.logprobs = response_logprobs(logits, response_ids, 1.0) * mask
+    return model, batch
+
+
+def test_update_model_step_does_not_depend_on_micro_batches_or_their_trimmed_padding():
+    """A whole mini-batch in one forward vs micro-batches of 3 rows, each sorted by length and
+    trimmed to its own longest response: the same parameters after one SGD step."""
+    import copy
+    from types import SimpleNamespace
+
+    import train
+    from ppo import update_model
+
+    model, batch = ragged_rollout()
+    assert len(set(batch.lengths.tolist())) > 2  # ragged, so trimming has something to drop
+    gen = torch.Generator().manual_seed(0)
+    rows = {"old_logprobs": batch.logprobs - 0.1 * torch.rand(batch.logprobs.shape, generator=gen) * batch.response_mask,
+            "advantages": torch.randn(batch.logprobs.shape, generator=gen) * batch.response_mask}
+    params = []
+    for micro_batch_size in (len(batch), 3):
+        cfg = SimpleNamespace(ppo_epochs=1, num_minibatches=1, micro_batch_size=micro_batch_size,
+                              loss_agg="token-mean", max_grad_norm=1e9, temperature=1.0, clip_low=0.2,
+                              clip_high=0.2, dual_clip=None, entropy_coef=0.0, kl_coef=0.0)
+        trained = copy.deepcopy(model)
+        update_model(cfg, trained, torch.optim.SGD(trained.parameters(), lr=1.0), batch, rows,
+                     train.actor_loss, seed=0, prefix="actor")
+        params.append(torch.cat([p.detach().flatten() for p in trained.parameters()]))
+    before = torch.cat([p.detach().flatten() for p in model.parameters()])
+    assert (params[0] - before).abs().max() > 1e-4  # the step moved the weights
+    assert torch.allclose(params[0], params[1], atol=1e-6)
+
+
+def test_trim_drops_unused_padding_and_keeps_the_outputs():
+    model, batch = ragged_rollout()
+    short = batch.select([int(batch.lengths.argmin()), 0])
+    trimmed = short.trim()
+    assert trimmed.response_ids.shape[1] == int(short.lengths.max()) < batch.response_ids.shape[1]
+    assert trimmed.prompt_ids.shape[1] == int(short.prompt_mask.sum(-1).max()) < batch.prompt_ids.shape[1]
+    with torch.no_grad():
+        full = short.response_slice(model(**short.model_inputs()).logits)[:, : trimmed.response_ids.shape[1]]
+        cut = trimmed.response_slice(model(**trimmed.model_inputs()).logits)
+    assert torch.allclose(full, cut, atol=1e-5)

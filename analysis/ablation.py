@@ -1,0 +1,279 @@
+"""The ablation grid on the built-in task (paper Fig. 1 and Table 2; PAPER.md §6-7).
+
+Runs `train.py` once per (variant, seed), or reads the runs that already finished, then draws
+response length and accuracy over PPO steps (mean and +-1 std over seeds) and tabulates the held-out
+pass@1, pass@k and response length after PPO (mean +- std over seeds) beside the paper's AIME numbers.
+
+| variant | what changes (train.py flags) |
+|---|---|
+| ppo | plain PPO: critic from the outcome reward model, no value pretraining, lambda 0.95 for both |
+| vc-ppo-no-vp | VC-PPO without value pretraining: critic from the ORM (as the paper's critic before §3.2) |
+| vc-ppo-no-dgae | VC-PPO without decoupled GAE: lambda_critic = lambda_actor = 0.95 |
+| vc-ppo | VC-PPO, train.py's defaults: pi_SFT + fresh head, value pretraining, lambda 0.95 / 1.0 |
+| grpo | group-normalised outcome advantage, no critic |
+| lam-actor-0.9, -0.99, -1.0 | VC-PPO with that lambda_actor (0.95 is vc-ppo itself) |
+| length-adaptive | VC-PPO with VAPO's lambda_actor = 1 - 1/(0.05 l) per response |
+
+Runs go to <out-dir>/ablation__<variant>__seed<seed>/ (pi_SFT and the ORM are shared through
+<out-dir>/_shared, like every train.py run), each with its log in train.log; a run with a
+summary.json is read, not rerun, and one that stopped is resumed from its checkpoint. Flags after
+`--` go to every train.py run.
+
+    python analysis/ablation.py                  # the full grid: 9 variants x 3 seeds (see RESULTS.md for its time)
+    python analysis/ablation.py --quick          # 4 variants x 2 seeds, short runs, own pi_SFT: <= 10 min on 2 cores
+    python analysis/ablation.py --variants ppo vc-ppo --seeds 0 -- --steps 10
+"""
+import sys; from pathlib import Path; sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # repo root
+
+import dataclasses
+import json
+import os
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+import tyro
+from tqdm import tqdm
+
+import train
+
+VARIANTS = {  # name -> (train.py flags, AIME 2024 pass@1 of the paper at 8k context, PAPER.md §6)
+    "ppo": (["--critic-init", "rm", "--value-pretrain-steps", "0", "--lam-critic", "0.95"], 5.6),
+    "vc-ppo-no-vp": (["--critic-init", "rm", "--value-pretrain-steps", "0"], None),
+    "vc-ppo-no-dgae": (["--lam-critic", "0.95"], 29.4),
+    "vc-ppo": ([], 41.3),
+    "grpo": (["--estimator", "grpo"], 35.8),
+    "lam-actor-0.9": (["--lam-actor", "0.9"], 34.3),
+    "lam-actor-0.99": (["--lam-actor", "0.99"], 41.9),
+    "lam-actor-1.0": (["--lam-actor", "1.0"], 29.4),
+    "length-adaptive": (["--length-adaptive-alpha", "0.05"], None),
+}
+MAIN = ("ppo", "vc-ppo-no-vp", "vc-ppo-no-dgae", "vc-ppo", "grpo")  # first row of the figure
+SWEEP = ("lam-actor-0.9", "vc-ppo", "lam-actor-0.99", "lam-actor-1.0", "length-adaptive")  # second row
+QUICK = {  # --quick: the paper's main contrast only, short runs from a shorter SFT, in their own out-dir
+    "variants": ("ppo", "vc-ppo-no-dgae", "vc-ppo", "grpo"), "seeds": (0, 1), "out_dir": "runs/ablation-quick",
+    "train_flags": ["--sft-steps", "300", "--steps", "8", "--value-pretrain-steps", "5", "--task-eval-size", "32"],
+}
+CURVES = (("response_length/mean", "mean response length (tokens)"), ("reward/accuracy", "training accuracy"))
+
+
+@dataclass
+class Args:
+    out: Path = Path("runs/analysis")
+    """folder that receives ablation.png, ablation.md and ablation.json"""
+    out_dir: str = "runs"
+    """train.py's --out-dir for the grid's runs (its _shared/ pi_SFT and ORM are reused)"""
+    variants: tuple[str, ...] = tuple(VARIANTS)
+    """variants to run or read (see the table above)"""
+    seeds: tuple[int, ...] = (0, 1, 2)
+    """seeds of every variant"""
+    jobs: int = 2
+    """train.py processes at once (each uses one torch thread)"""
+    quick: bool = False
+    """a <= 10 minute version: 4 variants x 2 seeds, 8 PPO steps, a 300-step pi_SFT, in runs/ablation-quick"""
+    read_only: bool = False
+    """only read finished runs; never start train.py"""
+
+
+@dataclass
+class Run:
+    variant: str
+    seed: int
+    flags: list[str]  # train.py's argv
+    dir: Path
+
+    @property
+    def done(self) -> bool:
+        return (self.dir / "summary.json").is_file()
+
+
+def plan_runs(args: Args, train_flags: list[str]) -> list[Run]:
+    """One Run per (variant, seed); a finished run whose config differs from the requested one is an error."""
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"error: unknown variant(s) {unknown}; choose from {list(VARIANTS)}")
+    runs = []
+    for variant in args.variants:
+        for seed in args.seeds:
+            name = f"ablation__{variant}__seed{seed}"
+            flags = ["--out-dir", args.out_dir, "--run-name", name, "--seed", str(seed), *VARIANTS[variant][0],
+                     *train_flags]
+            run = Run(variant, seed, flags, Path(args.out_dir) / name)
+            saved = run.dir / "config.json"
+            if saved.is_file():
+                wanted = dataclasses.asdict(train.parse_config(flags))
+                stored = json.loads(saved.read_text())
+                diff = sorted(k for k in wanted if k not in ("resume", "threads") and stored.get(k) != wanted[k])
+                if diff:
+                    raise SystemExit(f"error: {run.dir} was run with other settings ({', '.join(diff)}); "
+                                     f"remove it or choose another --out-dir")
+            runs.append(run)
+    return runs
+
+
+def execute(run: Run) -> tuple[Run, float, int]:
+    """train.py in a child process (log in <run>/train.log); --resume continues a stopped run."""
+    run.dir.mkdir(parents=True, exist_ok=True)
+    start = time.time()
+    with open(run.dir / "train.log", "a") as log:
+        code = subprocess.call([sys.executable, str(Path(train.__file__)), *run.flags, "--resume"],
+                               stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "TQDM_MININTERVAL": "30"})
+    wall = time.time() - start
+    (run.dir / "ablation_run.json").write_text(json.dumps(
+        {"variant": run.variant, "seed": run.seed, "argv": run.flags, "wall_s": round(wall, 1), "returncode": code}))
+    return run, wall, code
+
+
+def run_grid(runs: list[Run], jobs: int, out_dir: str) -> tuple[float, list[Run]]:
+    """Runs what is missing, `jobs` at a time; returns the wall time and the runs that failed. The first
+    run goes alone when it has to build the shared pi_SFT (and ORM) the others reuse."""
+    todo = [r for r in runs if not r.done]
+    failed, start = [], time.time()
+    if not todo:
+        return 0.0, failed
+    shared = Path(out_dir, "_shared")
+    needs_orm = any("rm" in r.flags for r in todo)
+    bar = tqdm(total=len(todo), desc="ablation runs", dynamic_ncols=True)
+    if not (shared / "sft").is_dir() or (needs_orm and not (shared / "orm").is_dir()):
+        todo.sort(key=lambda r: "rm" not in r.flags)  # a critic-from-ORM run builds both caches
+        first = todo.pop(0)
+        bar.set_postfix(running=first.dir.name)
+        _, _, code = execute(first)
+        failed += [first] if code else []
+        bar.update()
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        for future in as_completed([pool.submit(execute, r) for r in todo]):
+            run, wall, code = future.result()
+            failed += [run] if code else []
+            bar.update()
+            tqdm.write(f"{run.dir.name}: {'done' if code == 0 else f'FAILED (exit {code})'} in {wall:.0f} s")
+    bar.close()
+    return time.time() - start, failed
+
+
+def load(run: Run) -> dict:
+    rows = [json.loads(line) for line in (run.dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    timing = run.dir / "ablation_run.json"
+    return {"seed": run.seed, "summary": json.loads((run.dir / "summary.json").read_text()), "metrics": rows,
+            "wall_s": json.loads(timing.read_text())["wall_s"] if timing.is_file() else None}
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    values = np.asarray(values, dtype=float)
+    return float(values.mean()), float(values.std(ddof=1)) if len(values) > 1 else float("nan")
+
+
+def evaluation_row(evals: list[dict], paper: float | None) -> dict:
+    """Mean and std over seeds of one stage's held-out evaluation (evaluate.evaluate's dicts)."""
+    k = next(key for key in evals[0] if key.startswith("pass@") and key != "pass@1")
+    return {"seeds": len(evals), "pass@1": mean_std([e["pass@1"] for e in evals]),
+            "pass@k": (k, *mean_std([e[k] for e in evals])), "mean_length": mean_std([e["mean_length"] for e in evals]),
+            "paper": paper}
+
+
+def aggregate(results: dict[str, list[dict]]) -> dict:
+    """Per variant: final-evaluation mean and std over seeds, and the curves stacked over seeds."""
+    table, curves = {}, {}
+    sft = {s["seed"]: s["summary"]["sft"] for seeds in results.values() for s in seeds}  # same policy, per seed
+    table["pi_SFT"] = {**evaluation_row(list(sft.values()), None), "min_train_length": (float("nan"),) * 2}
+    for variant, seeds in results.items():
+        lowest = [min(r["response_length/mean"] for r in s["metrics"]) for s in seeds]
+        table[variant] = {**evaluation_row([s["summary"]["ppo"] for s in seeds], VARIANTS[variant][1]),
+                          "min_train_length": mean_std(lowest)}
+        steps = min(len(s["metrics"]) for s in seeds)
+        curves[variant] = {key: np.array([[r[key] for r in s["metrics"][:steps]] for s in seeds]) for key, _ in CURVES}
+    return {"table": table, "curves": curves}
+
+
+def plot(curves: dict, path: Path) -> None:
+    rows = [[v for v in group if v in curves] for group in (MAIN, SWEEP)]
+    rows = [r for r in rows if r]
+    fig, axes = plt.subplots(len(rows), 2, figsize=(11, 3.8 * len(rows)), squeeze=False)
+    for ax_row, variants in zip(axes, rows):
+        for ax, (key, label) in zip(ax_row, CURVES):
+            for variant in variants:
+                y = curves[variant][key]
+                x, mean = np.arange(y.shape[1]), y.mean(0)
+                ax.plot(x, mean, label=f"{variant} (n={len(y)})")
+                if len(y) > 1:
+                    std = y.std(0, ddof=1)
+                    ax.fill_between(x, mean - std, mean + std, alpha=0.15)
+            ax.set_xlabel("PPO step")
+            ax.set_ylabel(label)
+            ax.grid(alpha=0.3)
+        ax_row[0].legend(fontsize=8)
+    fig.suptitle("Fig. 1 on the built-in task: mean over seeds, band = +-1 std")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def markdown(agg: dict, wall: float, ran: int, runs: list[Run], loaded: dict) -> str:
+    def pm(mean_and_std, digits=3):
+        mean, std = mean_and_std
+        if not np.isfinite(mean):
+            return "-"
+        return f"{mean:.{digits}f} ± {std:.{digits}f}" if np.isfinite(std) else f"{mean:.{digits}f}"
+
+    k = agg["table"]["pi_SFT"]["pass@k"][0]
+    lines = ["# Ablation on the built-in task (paper Table 2, Fig. 1)", "",
+             f"Held-out evaluation after PPO, mean ± std over seeds (sample std). pass@1 and {k} from "
+             f"the same samples; 'min train length' is the lowest batch-mean response length over the PPO "
+             f"steps (a length collapse shows here); the paper's column is AIME 2024 pass@1 (%) at 8k context.", "",
+             f"| variant | seeds | pass@1 | {k} | mean length | min train length | paper pass@1 |",
+             "|---|---|---|---|---|---|---|"]
+    for variant, row in agg["table"].items():
+        paper = "-" if row["paper"] is None else f"{row['paper']}"
+        lines.append(f"| {variant} | {row['seeds']} | {pm(row['pass@1'])} | {pm(row['pass@k'][1:])} | "
+                     f"{pm(row['mean_length'], 1)} | {pm(row['min_train_length'], 1)} | {paper} |")
+    walls = [s["wall_s"] for seeds in loaded.values() for s in seeds if s["wall_s"] is not None]
+    lines += ["", "pi_SFT: the policy every run starts from, evaluated once per seed (each seed samples differently).", ""]
+    if walls:
+        lines.append(f"Time per run (train.py, measured when it ran): median {np.median(walls):.0f} s, "
+                     f"range {min(walls):.0f}-{max(walls):.0f} s over {len(walls)} runs.")
+    if ran:
+        lines.append(f"This invocation ran {ran} of the {len(runs)} runs in {wall:.0f} s of wall time.")
+    lines += ["", "Runs: " + ", ".join(sorted({str(r.dir.parent) for r in runs})) + "/ablation__<variant>__seed<seed>/", ""]
+    return "\n".join(lines)
+
+
+def main(args: Args, train_flags: list[str]) -> dict:
+    if args.quick:
+        args = dataclasses.replace(args, variants=QUICK["variants"], seeds=QUICK["seeds"], out_dir=QUICK["out_dir"])
+        train_flags = [*QUICK["train_flags"], *train_flags]
+    runs = plan_runs(args, train_flags)
+    ran, wall, failed = 0, 0.0, []
+    if not args.read_only:
+        ran = sum(not r.done for r in runs)
+        wall, failed = run_grid(runs, args.jobs, args.out_dir)
+    missing = [r for r in runs if not r.done]
+    if len(missing) == len(runs):
+        raise SystemExit(f"error: no finished run to read under {args.out_dir}/ (see each run's train.log)")
+    loaded = {}
+    for r in runs:
+        if r.done:
+            loaded.setdefault(r.variant, []).append(load(r))
+    agg = aggregate(loaded)
+    args.out.mkdir(parents=True, exist_ok=True)
+    png, md, js = args.out / "ablation.png", args.out / "ablation.md", args.out / "ablation.json"
+    plot(agg["curves"], png)
+    md.write_text(markdown(agg, wall, ran, runs, loaded))
+    js.write_text(json.dumps({"table": agg["table"], "curves": {v: {k: c.tolist() for k, c in cs.items()}
+                                                                for v, cs in agg["curves"].items()}}, indent=1))
+    print(md.read_text())
+    for r in missing:
+        print(f"missing: {r.dir} ({'failed, see ' + str(r.dir / 'train.log') if r in failed else 'not run'})")
+    print(f"wrote {png}, {md} and {js}")
+    return agg
+
+
+if __name__ == "__main__":
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    main(tyro.cli(Args, args=argv[:cut], description=__doc__), argv[cut + 1 :])

@@ -1,0 +1,78 @@
+"""analysis/ablation.py: reading and aggregating a grid of runs, refusing mismatched runs, and (slow)
+running a micro grid through train.py."""
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+import train
+from analysis import ablation
+
+from test_train import MICRO
+
+
+def fake_run(out_dir: Path, variant: str, seed: int, pass1: float, lengths: list[float]) -> None:
+    """A finished run as train.py leaves it: config.json, metrics.jsonl, summary.json."""
+    flags = ["--out-dir", str(out_dir), "--run-name", f"ablation__{variant}__seed{seed}", "--seed", str(seed),
+             *ablation.VARIANTS[variant][0]]
+    run = out_dir / f"ablation__{variant}__seed{seed}"
+    run.mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps(dataclasses.asdict(train.parse_config(flags))))
+    rows = [{"step": i, "response_length/mean": n, "reward/accuracy": 0.1 * i} for i, n in enumerate(lengths)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    evals = {"sft": {"pass@1": 0.3 + 0.01 * seed, "pass@4": 0.6, "mean_length": 130.0},
+             "ppo": {"pass@1": pass1, "pass@4": 2 * pass1, "mean_length": lengths[-1]}}
+    (run / "summary.json").write_text(json.dumps(evals))
+
+
+def test_reads_a_grid_and_reports_mean_and_sample_std(tmp_path):
+    fake_run(tmp_path, "ppo", 0, 0.2, [100, 50, 60])
+    fake_run(tmp_path, "ppo", 1, 0.4, [100, 80, 90])
+    fake_run(tmp_path, "vc-ppo", 0, 0.6, [100, 120, 140])
+    args = ablation.Args(out=tmp_path / "out", out_dir=str(tmp_path), variants=("ppo", "vc-ppo"), seeds=(0, 1),
+                         read_only=True)
+    agg = ablation.main(args, [])
+    ppo = agg["table"]["ppo"]
+    assert ppo["seeds"] == 2
+    assert ppo["pass@1"] == pytest.approx((0.3, math.sqrt(0.02)))  # sample std of 0.2 and 0.4
+    assert ppo["pass@k"] == ("pass@4", pytest.approx(0.6), pytest.approx(math.sqrt(0.08)))
+    assert ppo["min_train_length"] == pytest.approx((65.0, math.sqrt(450)))  # min of each seed: 50 and 80
+    assert agg["table"]["vc-ppo"]["seeds"] == 1 and math.isnan(agg["table"]["vc-ppo"]["pass@1"][1])
+    assert agg["table"]["pi_SFT"]["pass@1"] == pytest.approx((0.305, math.sqrt(5e-5)))  # once per seed
+    assert agg["curves"]["ppo"]["response_length/mean"].tolist() == [[100, 50, 60], [100, 80, 90]]
+    md = (tmp_path / "out" / "ablation.md").read_text()
+    assert "| ppo | 2 | 0.300 ± 0.141 |" in md and "| 5.6 |" in md
+    assert (tmp_path / "out" / "ablation.png").stat().st_size > 0
+    assert json.loads((tmp_path / "out" / "ablation.json").read_text())["table"]["ppo"]["seeds"] == 2
+
+
+def test_a_finished_run_with_other_settings_is_refused(tmp_path):
+    fake_run(tmp_path, "ppo", 0, 0.2, [100, 90])
+    args = ablation.Args(out=tmp_path / "out", out_dir=str(tmp_path), variants=("ppo",), seeds=(0,), read_only=True)
+    with pytest.raises(SystemExit, match="ablation__ppo__seed0 was run with other settings .*steps"):
+        ablation.main(args, ["--steps", "3"])
+
+
+def test_unknown_variant_and_nothing_to_read_are_clear_errors(tmp_path):
+    with pytest.raises(SystemExit, match="unknown variant"):
+        ablation.main(ablation.Args(out_dir=str(tmp_path), variants=("ppo2",)), [])
+    with pytest.raises(SystemExit, match="no finished run"):
+        ablation.main(ablation.Args(out_dir=str(tmp_path), variants=("ppo",), read_only=True), [])
+
+
+@pytest.mark.slow
+def test_micro_grid_runs_train_py_and_reuses_finished_runs(tmp_path):
+    args = ablation.Args(out=tmp_path / "out", out_dir=str(tmp_path), variants=("ppo", "grpo"), seeds=(0,))
+    flags = [*MICRO, "--steps", "2"]
+    agg = ablation.main(args, flags)
+    for variant in ("ppo", "grpo"):
+        run = tmp_path / f"ablation__{variant}__seed0"
+        assert json.loads((run / "ablation_run.json").read_text())["returncode"] == 0, (run / "train.log").read_text()
+        assert agg["curves"][variant]["reward/accuracy"].shape == (1, 2)
+    assert (tmp_path / "_shared" / "orm").is_dir()  # the first run built the ORM the ppo variant needs
+    stamp = (tmp_path / "ablation__ppo__seed0" / "summary.json").stat().st_mtime
+    again = ablation.main(args, flags)  # everything finished: read, not rerun
+    assert (tmp_path / "ablation__ppo__seed0" / "summary.json").stat().st_mtime == stamp
+    assert again["table"]["ppo"]["mean_length"][0] == agg["table"]["ppo"]["mean_length"][0]
