@@ -42,8 +42,9 @@ class SFTConfig:
     """optimizer steps"""
     batch_size: int = 16
     """sequences per optimizer step"""
-    micro_batch_size: int = 16
-    """sequences per forward pass; a step's sequences are sorted by length first to cut padding"""
+    micro_batch_size: int = 4
+    """sequences per forward pass; a step's sequences are sorted by length first, so each micro-batch
+    pads only to its own longest (4 is ~2x faster than 16 on the default mix)"""
     lr: float = 3e-3
     """peak AdamW learning rate (linear warm-up, then cosine to 10%)"""
     warmup_steps: int = 20
