@@ -181,11 +181,15 @@ def aggregate(results: dict[str, list[dict]]) -> dict:
     """Per variant: final-evaluation mean and std over seeds, and the curves stacked over seeds."""
     table, curves = {}, {}
     sft = {s["seed"]: s["summary"]["sft"] for seeds in results.values() for s in seeds}  # same policy, per seed
-    table["pi_SFT"] = {**evaluation_row(list(sft.values()), None), "min_train_length": (float("nan"),) * 2}
+    table["pi_SFT"] = {**evaluation_row(list(sft.values()), None), "min_train_length": (float("nan"),) * 2,
+                       "first_ev": (float("nan"),) * 2}
     for variant, seeds in results.items():
         lowest = [min(r["response_length/mean"] for r in s["metrics"]) for s in seeds]
+        # The critic's explained variance on the first PPO batch: how well it starts (§3.1-3.2).
+        first_ev = [s["metrics"][0].get("critic/vf_explained_var", float("nan")) for s in seeds]
         table[variant] = {**evaluation_row([s["summary"]["ppo"] for s in seeds], VARIANTS[variant][1]),
-                          "min_train_length": mean_std(lowest)}
+                          "min_train_length": mean_std(lowest),
+                          "first_ev": mean_std(first_ev) if "grpo" not in VARIANTS[variant][0] else (float("nan"),) * 2}
         steps = min(len(s["metrics"]) for s in seeds)
         curves[variant] = {key: np.array([[r[key] for r in s["metrics"][:steps]] for s in seeds]) for key, _ in CURVES}
     return {"table": table, "curves": curves}
@@ -225,13 +229,15 @@ def markdown(agg: dict, wall: float, ran: int, runs: list[Run], loaded: dict) ->
     lines = ["# Ablation on the built-in task (paper Table 2, Fig. 1)", "",
              f"Held-out evaluation after PPO, mean ± std over seeds (sample std). pass@1 and {k} from "
              f"the same samples; 'min train length' is the lowest batch-mean response length over the PPO "
-             f"steps (a length collapse shows here); the paper's column is AIME 2024 pass@1 (%) at 8k context.", "",
-             f"| variant | seeds | pass@1 | {k} | mean length | min train length | paper pass@1 |",
-             "|---|---|---|---|---|---|---|"]
+             f"steps (a length collapse shows here); 'critic EV' is the critic's explained variance of the "
+             f"returns on the first PPO batch (how calibrated it starts); the paper's column is AIME 2024 pass@1 "
+             f"(%) at 8k context.", "",
+             f"| variant | seeds | pass@1 | {k} | mean length | min train length | critic EV, step 0 | paper pass@1 |",
+             "|---|---|---|---|---|---|---|---|"]
     for variant, row in agg["table"].items():
         paper = "-" if row["paper"] is None else f"{row['paper']}"
         lines.append(f"| {variant} | {row['seeds']} | {pm(row['pass@1'])} | {pm(row['pass@k'][1:])} | "
-                     f"{pm(row['mean_length'], 1)} | {pm(row['min_train_length'], 1)} | {paper} |")
+                     f"{pm(row['mean_length'], 1)} | {pm(row['min_train_length'], 1)} | {pm(row['first_ev'], 2)} | {paper} |")
     walls = [s["wall_s"] for seeds in loaded.values() for s in seeds if s["wall_s"] is not None]
     lines += ["", "pi_SFT: the policy every run starts from, evaluated once per seed (each seed samples differently).", ""]
     if walls:

@@ -20,7 +20,8 @@ def fake_run(out_dir: Path, variant: str, seed: int, pass1: float, lengths: list
     run = out_dir / f"ablation__{variant}__seed{seed}"
     run.mkdir(parents=True)
     (run / "config.json").write_text(json.dumps(dataclasses.asdict(train.parse_config(flags))))
-    rows = [{"step": i, "response_length/mean": n, "reward/accuracy": 0.1 * i} for i, n in enumerate(lengths)]
+    rows = [{"step": i, "response_length/mean": n, "reward/accuracy": 0.1 * i, "critic/vf_explained_var": -seed}
+            for i, n in enumerate(lengths)]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     evals = {"sft": {"pass@1": 0.3 + 0.01 * seed, "pass@4": 0.6, "mean_length": 130.0},
              "ppo": {"pass@1": pass1, "pass@4": 2 * pass1, "mean_length": lengths[-1]}}
@@ -39,6 +40,7 @@ def test_reads_a_grid_and_reports_mean_and_sample_std(tmp_path):
     assert ppo["pass@1"] == pytest.approx((0.3, math.sqrt(0.02)))  # sample std of 0.2 and 0.4
     assert ppo["pass@k"] == ("pass@4", pytest.approx(0.6), pytest.approx(math.sqrt(0.08)))
     assert ppo["min_train_length"] == pytest.approx((65.0, math.sqrt(450)))  # min of each seed: 50 and 80
+    assert ppo["first_ev"] == pytest.approx((-0.5, math.sqrt(0.5)))
     assert agg["table"]["vc-ppo"]["seeds"] == 1 and math.isnan(agg["table"]["vc-ppo"]["pass@1"][1])
     assert agg["table"]["pi_SFT"]["pass@1"] == pytest.approx((0.305, math.sqrt(5e-5)))  # once per seed
     assert agg["curves"]["ppo"]["response_length/mean"].tolist() == [[100, 50, 60], [100, 80, 90]]
