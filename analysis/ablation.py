@@ -20,7 +20,7 @@ summary.json is read, not rerun, and one that stopped is resumed from its checkp
 `--` go to every train.py run.
 
     python analysis/ablation.py                  # the full grid: 9 variants x 3 seeds (see RESULTS.md for its time)
-    python analysis/ablation.py --quick          # 4 variants x 2 seeds, short runs, own pi_SFT: <= 10 min on 2 cores
+    python analysis/ablation.py --quick          # plain PPO vs VC-PPO x 2 seeds, 10 steps: <= 10 min on 2 cores
     python analysis/ablation.py --variants ppo vc-ppo --seeds 0 -- --steps 10
 """
 import sys; from pathlib import Path; sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # repo root
@@ -56,9 +56,10 @@ VARIANTS = {  # name -> (train.py flags, AIME 2024 pass@1 of the paper at 8k con
 }
 MAIN = ("ppo", "vc-ppo-no-vp", "vc-ppo-no-dgae", "vc-ppo", "grpo")  # first row of the figure
 SWEEP = ("lam-actor-0.9", "vc-ppo", "lam-actor-0.99", "lam-actor-1.0", "length-adaptive")  # second row
-QUICK = {  # --quick: the paper's main contrast only, short runs from a shorter SFT, in their own out-dir
-    "variants": ("ppo", "vc-ppo-no-dgae", "vc-ppo", "grpo"), "seeds": (0, 1), "out_dir": "runs/ablation-quick",
-    "train_flags": ["--sft-steps", "300", "--steps", "8", "--value-pretrain-steps", "5", "--task-eval-size", "32"],
+QUICK = {  # --quick: the paper's main contrast only, short runs and a smaller ORM, in their own out-dir
+    "variants": ("ppo", "vc-ppo"), "seeds": (0, 1), "out_dir": "runs/ablation-quick",
+    "train_flags": ["--steps", "10", "--value-pretrain-steps", "5", "--orm-batches", "2", "--orm-steps", "20",
+                    "--task-eval-size", "32"],
 }
 CURVES = (("response_length/mean", "mean response length (tokens)"), ("reward/accuracy", "training accuracy"))
 
@@ -76,7 +77,7 @@ class Args:
     jobs: int = 2
     """train.py processes at once (each uses one torch thread)"""
     quick: bool = False
-    """a <= 10 minute version: 4 variants x 2 seeds, 8 PPO steps, a 300-step pi_SFT, in runs/ablation-quick"""
+    """a <= 10 minute version: ppo and vc-ppo x 2 seeds, 10 PPO steps, a smaller ORM, in runs/ablation-quick"""
     read_only: bool = False
     """only read finished runs; never start train.py"""
 
@@ -102,8 +103,9 @@ def plan_runs(args: Args, train_flags: list[str]) -> list[Run]:
     for variant in args.variants:
         for seed in args.seeds:
             name = f"ablation__{variant}__seed{seed}"
-            flags = ["--out-dir", args.out_dir, "--run-name", name, "--seed", str(seed), *VARIANTS[variant][0],
-                     *train_flags]
+            # The variant's own flags come last, so flags for every run cannot undo what the variant tests.
+            flags = ["--out-dir", args.out_dir, "--run-name", name, "--seed", str(seed), *train_flags,
+                     *VARIANTS[variant][0]]
             run = Run(variant, seed, flags, Path(args.out_dir) / name)
             saved = run.dir / "config.json"
             if saved.is_file():

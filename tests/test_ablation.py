@@ -57,6 +57,14 @@ def test_a_finished_run_with_other_settings_is_refused(tmp_path):
         ablation.main(args, ["--steps", "3"])
 
 
+def test_flags_for_every_run_do_not_override_what_a_variant_sets(tmp_path):
+    args = ablation.Args(out_dir=str(tmp_path), variants=("ppo", "vc-ppo"), seeds=(0,))
+    runs = ablation.plan_runs(args, ["--value-pretrain-steps", "5", "--lam-critic", "0.9"])
+    ppo, vc = (train.parse_config(r.flags) for r in runs)
+    assert (ppo.value_pretrain_steps, ppo.lam_critic, ppo.critic_init) == (0, 0.95, "rm")
+    assert (vc.value_pretrain_steps, vc.lam_critic) == (5, 0.9)
+
+
 def test_unknown_variant_and_nothing_to_read_are_clear_errors(tmp_path):
     with pytest.raises(SystemExit, match="unknown variant"):
         ablation.main(ablation.Args(out_dir=str(tmp_path), variants=("ppo2",)), [])
