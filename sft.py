@@ -5,7 +5,7 @@ chains of thought, some merged lines, some shortcuts), with the loss on response
 then writes a Hugging Face checkpoint (model + tokenizer) that `train.py` loads as the policy
 (`prepare_sft`, its SFT stage, trains it once and caches it).
 
-    python sft.py --out-dir runs/_shared/sft            # ~5 min on 2 CPU cores, then a report
+    python sft.py --out-dir runs/_shared/sft            # ~3 min on 2 CPU cores, then a report
     python sft.py --steps 40 --eval-problems 32         # smoke run
 
 The report samples held-out problems at temperature 1 and gives accuracy and length by
