@@ -142,19 +142,20 @@ def run_grid(runs: list[Run], jobs: int, out_dir: str) -> tuple[float, list[Run]
     shared = Path(out_dir, "_shared")
     needs_orm = any("rm" in r.flags for r in todo)
     bar = tqdm(total=len(todo), desc="ablation runs", dynamic_ncols=True)
+
+    def finished(run, wall, code):
+        failed.extend([run] if code else [])
+        bar.update()
+        tqdm.write(f"{run.dir.name}: {'done' if code == 0 else f'FAILED (exit {code})'} in {wall:.0f} s")
+
     if not (shared / "sft").is_dir() or (needs_orm and not (shared / "orm").is_dir()):
         todo.sort(key=lambda r: "rm" not in r.flags)  # a critic-from-ORM run builds both caches
-        first = todo.pop(0)
-        bar.set_postfix(running=first.dir.name)
-        _, _, code = execute(first)
-        failed += [first] if code else []
-        bar.update()
+        bar.set_postfix_str(f"{todo[0].dir.name} builds pi_SFT and the ORM")
+        finished(*execute(todo.pop(0)))
+        bar.set_postfix_str("")
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         for future in as_completed([pool.submit(execute, r) for r in todo]):
-            run, wall, code = future.result()
-            failed += [run] if code else []
-            bar.update()
-            tqdm.write(f"{run.dir.name}: {'done' if code == 0 else f'FAILED (exit {code})'} in {wall:.0f} s")
+            finished(*future.result())
     bar.close()
     return time.time() - start, failed
 
