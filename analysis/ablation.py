@@ -38,7 +38,6 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
-import tyro
 from tqdm import tqdm
 
 import train
@@ -87,7 +86,11 @@ class Run:
     variant: str
     seed: int
     flags: list[str]  # train.py's argv
-    dir: Path
+    config: train.Config  # what train.py makes of those flags
+
+    @property
+    def dir(self) -> Path:
+        return Path(self.config.out_dir, self.config.run_name)
 
     @property
     def done(self) -> bool:
@@ -106,10 +109,10 @@ def plan_runs(args: Args, train_flags: list[str]) -> list[Run]:
             # The variant's own flags come last, so flags for every run cannot undo what the variant tests.
             flags = ["--out-dir", args.out_dir, "--run-name", name, "--seed", str(seed), *train_flags,
                      *VARIANTS[variant][0]]
-            run = Run(variant, seed, flags, Path(args.out_dir) / name)
+            run = Run(variant, seed, flags, train.parse_config(flags))
             saved = run.dir / "config.json"
             if saved.is_file():
-                wanted = dataclasses.asdict(train.parse_config(flags))
+                wanted = dataclasses.asdict(run.config)
                 stored = json.loads(saved.read_text())
                 diff = sorted(k for k in wanted if k not in ("resume", "threads") and stored.get(k) != wanted[k])
                 if diff:
@@ -140,7 +143,7 @@ def run_grid(runs: list[Run], jobs: int, out_dir: str) -> tuple[float, list[Run]
     if not todo:
         return 0.0, failed
     shared = Path(out_dir, "_shared")
-    needs_orm = any("rm" in r.flags for r in todo)
+    needs_orm = any(r.config.critic_init == "rm" for r in todo)
     bar = tqdm(total=len(todo), desc="ablation runs", dynamic_ncols=True)
 
     def finished(run, wall, code):
@@ -149,7 +152,7 @@ def run_grid(runs: list[Run], jobs: int, out_dir: str) -> tuple[float, list[Run]
         tqdm.write(f"{run.dir.name}: {'done' if code == 0 else f'FAILED (exit {code})'} in {wall:.0f} s")
 
     if not (shared / "sft").is_dir() or (needs_orm and not (shared / "orm").is_dir()):
-        todo.sort(key=lambda r: "rm" not in r.flags)  # a critic-from-ORM run builds both caches
+        todo.sort(key=lambda r: r.config.critic_init != "rm")  # a critic-from-ORM run builds both caches
         bar.set_postfix_str(f"{todo[0].dir.name} builds pi_SFT and the ORM")
         finished(*execute(todo.pop(0)))
         bar.set_postfix_str("")
@@ -283,6 +286,6 @@ def main(args: Args, train_flags: list[str]) -> dict:
 
 
 if __name__ == "__main__":
-    argv = sys.argv[1:]
-    cut = argv.index("--") if "--" in argv else len(argv)
-    main(tyro.cli(Args, args=argv[:cut], description=__doc__), argv[cut + 1 :])
+    from analysis import cli_with_train_flags
+
+    main(*cli_with_train_flags(Args, __doc__))

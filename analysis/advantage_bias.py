@@ -29,7 +29,6 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
-import tyro
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -341,6 +340,6 @@ def main(args: Args, train_argv: list[str] = ()) -> BiasResult:
 
 
 if __name__ == "__main__":
-    argv = sys.argv[1:]
-    cut = argv.index("--") if "--" in argv else len(argv)
-    main(tyro.cli(Args, args=argv[:cut], description=__doc__), argv[cut + 1 :])
+    from analysis import cli_with_train_flags
+
+    main(*cli_with_train_flags(Args, __doc__))
