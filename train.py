@@ -21,14 +21,12 @@ import os
 import sys
 import time
 
-from typing import Literal
-
 import torch
-import tyro
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import fsdp_utils
+from config import Config, parse_config
 from critic import assert_finite, load_value_model, response_values
 from data import prepare_data, sample_prompts
 from evaluate import evaluate
@@ -39,224 +37,6 @@ from reward import Grader, prepare_orm, score_rollout
 from rollout import HFRollout, VLLMRollout, decode_responses
 from sft import prepare_sft
 from value_pretrain import critic_loss, pretrain_value
-
-@dataclasses.dataclass
-class Config:
-    """VC-PPO. Every field is a command-line flag (`--lam-actor 0.99`); `--preset` picks the defaults."""
-
-    # --- general
-    preset: Literal["tiny", "qwen2.5-32b"] = "tiny"
-    """defaults: `tiny` (built-in task, CPU, minutes) or `qwen2.5-32b` (the paper's settings)"""
-    run_name: str | None = None
-    """outputs go to <out_dir>/<run_name>/; None: <preset>__<critic_init>__seed<seed>"""
-    out_dir: str = "runs"
-    """root of all outputs; built-in-task SFT and reward models are cached in <out_dir>/_shared/"""
-    seed: int = 0
-    """seeds rollouts, prompt order and mini-batch order (a resumed run replays them exactly)"""
-    resume: bool = False
-    """continue from <run_dir>/checkpoint if it exists"""
-    plan: bool = False
-    """print the per-GPU memory plan for this config and world size, then exit"""
-    threads: int = 1
-    """torch CPU threads per process (tiny models run fastest on one; more contend with the grader)"""
-
-    # --- model and data
-    model: str | None = None
-    """pi_SFT checkpoint (Hugging Face format); None: build one with the built-in task's SFT stage"""
-    data: str | None = None
-    """prompts + answers (JSONL or Parquet); None: the built-in task"""
-    prompt_key: str = "prompt"
-    """field holding the prompt in --data"""
-    answer_key: str = "answer"
-    """field holding the ground-truth answer in --data"""
-    skip_bad_records: bool = False
-    """skip (and count) malformed records of --data instead of stopping with an error"""
-    max_prompt_tokens: int = 512
-    """longer prompts are dropped (and counted)"""
-    eval_fraction: float = 0.1
-    """held-out share of --data (the built-in task has its own held-out set)"""
-    sft_steps: int | None = None
-    """built-in task: SFT steps of the cold start (None: sft.py's default)"""
-    task_train_size: int = 20000
-    """built-in task: number of training problems"""
-    task_eval_size: int = 64
-    """built-in task: number of held-out problems"""
-
-    # --- VC-PPO switches (each one is an ablation of the paper)
-    critic_init: Literal["rm", "sft"] = "sft"
-    """critic initialisation: `rm` (outcome reward model, plain PPO) or `sft` (pi_SFT + fresh head)"""
-    value_pretrain_steps: int = 20
-    """value pretraining steps against the frozen pi_SFT (§3.2); 0 disables"""
-    lam_actor: float = 0.95
-    """GAE lambda for the policy's advantages (§3.3)"""
-    lam_critic: float = 1.0
-    """GAE lambda for the critic's targets (§3.3); 1.0 = Monte-Carlo return"""
-    length_adaptive_alpha: float | None = None
-    """VAPO length-adaptive GAE: lambda_actor = 1 - 1/(alpha * length) per response (e.g. 0.05)"""
-    estimator: Literal["gae", "grpo"] = "gae"
-    """advantage estimator: `gae` (PPO with a critic) or `grpo` (group-normalised, no critic)"""
-    gamma: float = 1.0
-    """discount (the paper uses 1.0)"""
-
-    # --- PPO
-    steps: int = 30
-    """PPO steps"""
-    prompts_per_step: int = 32
-    """prompts per rollout batch"""
-    samples_per_prompt: int = 2
-    """responses per prompt (GRPO needs >= 2)"""
-    ppo_epochs: int = 1
-    """passes over each rollout batch"""
-    num_minibatches: int = 2
-    """optimizer steps per epoch"""
-    micro_batch_size: int = 16
-    """rows per forward/backward (gradient accumulation; does not change the result)"""
-    actor_lr: float = 5e-5
-    """actor learning rate (AdamW)"""
-    critic_lr: float = 3e-4
-    """critic learning rate (AdamW), also used for value pretraining"""
-    lr_warmup_steps: int = 0
-    """linear warm-up steps, then constant"""
-    clip_low: float = 0.2
-    """policy ratio clip below 1 (eps_low)"""
-    clip_high: float = 0.2
-    """policy ratio clip above 1 (eps_high; VAPO's clip-higher uses 0.28)"""
-    dual_clip: float | None = None
-    """dual-clip constant c > 1 for negative advantages; None disables"""
-    value_clip: float | None = 0.5
-    """value clip range around the old values; None disables"""
-    max_grad_norm: float = 1.0
-    """gradient clipping for actor and critic"""
-    loss_agg: Literal["token-mean", "seq-mean"] = "token-mean"
-    """loss aggregation, normalised by the global token (or sequence) count of a mini-batch"""
-    whiten_advantages: bool = True
-    """normalise advantages over the batch's valid tokens"""
-    kl_coef: float = 0.0
-    """KL penalty to pi_SFT in the loss (VC-PPO: none)"""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """KL estimator when kl_coef > 0"""
-    entropy_coef: float = 0.0
-    """entropy bonus"""
-    truncation_reward: float | None = -1.0
-    """reward of a response cut at max_new_tokens (terminal either way); None: graded like the others"""
-
-    # --- rollout
-    rollout: Literal["hf", "vllm"] = "hf"
-    """generation backend"""
-    max_new_tokens: int = 400
-    """response length limit"""
-    temperature: float = 1.0
-    """sampling temperature (log-probs are recomputed at the same temperature)"""
-    top_p: float = 1.0
-    """nucleus sampling"""
-    tensor_parallel_size: int = 1
-    """vLLM tensor parallelism (each TP group sees the same prompts)"""
-    gpu_memory_utilization: float = 0.5
-    """vLLM's share of GPU memory when colocated with training"""
-
-    # --- reward model and value pretraining details
-    orm_batches: int = 4
-    """rollout batches of pi_SFT, graded, that the outcome reward model is trained on (critic_init = rm)"""
-    orm_steps: int = 60
-    """outcome reward model training steps, cycling through those batches"""
-    orm_lr: float = 3e-4
-    """outcome reward model learning rate"""
-    plateau_window: int = 10
-    """value pretraining stops early when loss and EV plateau over two such windows"""
-    plateau_rel_tol: float = 0.02
-    """...the mean value loss fell by less than this share"""
-    plateau_ev_tol: float = 0.01
-    """...and the mean explained variance rose by less than this"""
-    grader_workers: int = 1
-    """grader processes (each has a hard timeout)"""
-    grader_timeout_s: float = 5.0
-    """a response whose grading takes longer is scored -1 and counted"""
-
-    # --- evaluation and checkpoints
-    eval_samples: int = 4
-    """samples per held-out prompt; reports pass@1 and pass@k for k = eval_samples"""
-    save_every: int = 10
-    """checkpoint every N PPO steps (and at the end)"""
-
-    # --- scale (FSDP2)
-    mixed_precision: bool = False
-    """bf16 parameters, fp32 reduction (GPU)"""
-    activation_checkpointing: bool = False
-    """recompute activations in the backward pass"""
-    cpu_offload: bool = False
-    """offload sharded parameters and optimizer states to CPU"""
-
-    def validate(self) -> None:
-        """Fail at start, naming the field."""
-        checks = {
-            "lam_actor": 0.0 <= self.lam_actor <= 1.0,
-            "lam_critic": 0.0 <= self.lam_critic <= 1.0,
-            "gamma": 0.0 <= self.gamma <= 1.0,
-            "length_adaptive_alpha": self.length_adaptive_alpha is None or self.length_adaptive_alpha > 0,
-            "steps": self.steps >= 0,
-            "value_pretrain_steps": self.value_pretrain_steps >= 0,
-            "prompts_per_step": self.prompts_per_step >= 1,
-            "samples_per_prompt": self.samples_per_prompt >= (2 if self.estimator == "grpo" else 1),
-            "ppo_epochs": self.ppo_epochs >= 1,
-            "num_minibatches": 1 <= self.num_minibatches <= self.prompts_per_step * self.samples_per_prompt,
-            "micro_batch_size": self.micro_batch_size >= 1,
-            "actor_lr": self.actor_lr > 0,
-            "critic_lr": self.critic_lr > 0,
-            "clip_low": 0.0 <= self.clip_low < 1.0,
-            "clip_high": self.clip_high >= 0.0,
-            "dual_clip": self.dual_clip is None or self.dual_clip > 1.0,
-            "value_clip": self.value_clip is None or self.value_clip > 0,
-            "max_grad_norm": self.max_grad_norm > 0,
-            "kl_coef": self.kl_coef >= 0,
-            "max_new_tokens": self.max_new_tokens >= 1,
-            "temperature": self.temperature > 0,
-            "top_p": 0.0 < self.top_p <= 1.0,
-            "eval_samples": self.eval_samples >= 1,
-            "eval_fraction": 0.0 < self.eval_fraction < 1.0,
-            "save_every": self.save_every >= 1,
-            "threads": self.threads >= 1,
-            "sft_steps": self.sft_steps is None or self.sft_steps >= 1,
-            "grader_timeout_s": self.grader_timeout_s > 0,
-            "run_name": self.run_name is None or (bool(self.run_name) and os.sep not in self.run_name),
-        }
-        bad = [name for name, ok in checks.items() if not ok]
-        if bad:
-            name = bad[0]
-            raise ValueError(f"invalid config: --{name.replace('_', '-')} = {getattr(self, name)!r}")
-
-
-PRESETS = {
-    "tiny": Config(),
-    "qwen2.5-32b": Config(  # PAPER.md §5 (VAPO's PPO settings; no KL, lambda_critic = 1)
-        preset="qwen2.5-32b", value_pretrain_steps=100,
-        lam_actor=0.99, steps=1000, prompts_per_step=8192, samples_per_prompt=1,
-        num_minibatches=16, micro_batch_size=1, actor_lr=1e-6, critic_lr=2e-6,
-        lr_warmup_steps=10, rollout="vllm", max_new_tokens=8192, max_prompt_tokens=1024,
-        tensor_parallel_size=4, eval_samples=32, save_every=20, grader_workers=2,
-        mixed_precision=True, activation_checkpointing=True,
-    ),
-}
-
-
-def parse_config(argv: list[str]) -> Config:
-    """`--preset NAME` chooses the defaults; every other flag overrides one field."""
-    preset = "tiny"
-    for i, arg in enumerate(argv):
-        if arg == "--preset" and i + 1 < len(argv):
-            preset = argv[i + 1]
-        elif arg.startswith("--preset="):
-            preset = arg.split("=", 1)[1]
-    if preset not in PRESETS:
-        raise SystemExit(f"error: --preset must be one of {sorted(PRESETS)}, got {preset!r}")
-    cfg = tyro.cli(Config, default=PRESETS[preset], args=argv, description=__doc__)
-    try:
-        cfg.validate()
-    except ValueError as err:
-        raise SystemExit(f"error: {err}") from None
-    if cfg.run_name is None:
-        cfg = dataclasses.replace(cfg, run_name=f"{cfg.preset}__{cfg.critic_init}__seed{cfg.seed}")
-    return cfg
-
 
 POSITION_BINS = 4  # advantage mean per quarter of each response, early to late (paper Fig. 2)
 
@@ -535,4 +315,4 @@ def print_summary(summary: dict, run_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(parse_config(sys.argv[1:]))
+    main(parse_config(sys.argv[1:], description=__doc__))

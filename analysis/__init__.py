@@ -5,7 +5,7 @@ import sys
 
 def cli_with_train_flags(args_type, description: str):
     """(the script's own Args, train.py's flags): flags before a `--` are the script's, the ones after
-    it go to `train.parse_config`, so the script sees the run exactly as train.py does."""
+    it go to `config.parse_config`, so the script sees the run exactly as train.py does."""
     import tyro
 
     argv = sys.argv[1:]

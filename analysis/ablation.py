@@ -40,7 +40,9 @@ import matplotlib.pyplot as plt
 import numpy as np
 from tqdm import tqdm
 
-import train
+from config import Config, parse_config
+
+TRAIN = Path(__file__).resolve().parents[1] / "train.py"
 
 VARIANTS = {  # name -> (train.py flags, AIME 2024 pass@1 of the paper at 8k context, PAPER.md §6)
     "ppo": (["--critic-init", "rm", "--value-pretrain-steps", "0", "--lam-critic", "0.95"], 5.6),
@@ -86,7 +88,7 @@ class Run:
     variant: str
     seed: int
     flags: list[str]  # train.py's argv
-    config: train.Config  # what train.py makes of those flags
+    config: Config  # what train.py makes of those flags
 
     @property
     def dir(self) -> Path:
@@ -109,7 +111,7 @@ def plan_runs(args: Args, train_flags: list[str]) -> list[Run]:
             # The variant's own flags come last, so flags for every run cannot undo what the variant tests.
             flags = ["--out-dir", args.out_dir, "--run-name", name, "--seed", str(seed), *train_flags,
                      *VARIANTS[variant][0]]
-            run = Run(variant, seed, flags, train.parse_config(flags))
+            run = Run(variant, seed, flags, parse_config(flags))
             saved = run.dir / "config.json"
             if saved.is_file():
                 wanted = dataclasses.asdict(run.config)
@@ -127,7 +129,7 @@ def execute(run: Run) -> tuple[Run, float, int]:
     run.dir.mkdir(parents=True, exist_ok=True)
     start = time.time()
     with open(run.dir / "train.log", "a") as log:
-        code = subprocess.call([sys.executable, str(Path(train.__file__)), *run.flags, "--resume"],
+        code = subprocess.call([sys.executable, str(TRAIN), *run.flags, "--resume"],
                                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "TQDM_MININTERVAL": "30"})
     wall = time.time() - start
     (run.dir / "ablation_run.json").write_text(json.dumps(

@@ -8,7 +8,7 @@ shows each critic's bias; the mean Monte-Carlo return (the lambda = 1 target, th
 critic) is what V(s_t) should be on average. The paper's Fig. 2 has early tokens biased UP; report
 the sign measured here (a prototype before this project measured it negative).
 
-Flags after a `--` are train.py's own (`train.parse_config`): give the run's flags, so that paths,
+Flags after a `--` are train.py's own (`config.parse_config`): give the run's flags, so that paths,
 task, sampling, reward and the stages --build runs are the run's.
 
     python analysis/advantage_bias.py                 # critics of runs/: writes runs/analysis/advantage_bias.*
@@ -32,6 +32,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from config import parse_config
 from critic import load_value_model, response_values
 from data import prepare_data, sample_prompts
 from gae import compute_gae
@@ -39,7 +40,6 @@ from ppo import masked_mean, masked_sum
 from reward import Grader, prepare_orm, score_rollout
 from rollout import HFRollout, decode_responses
 from sft import prepare_sft
-from train import parse_config
 from value_pretrain import pretrain_value
 
 CRITICS = ("orm", "sft", "pretrained")

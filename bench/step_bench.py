@@ -20,9 +20,10 @@ import tyro
 from tqdm import tqdm
 
 import task
+from config import Config
 from ppo import update_model
 from rollout import RolloutBatch
-from train import Config, actor_loss
+from train import actor_loss
 
 
 def fixed_batch(vocab: int, rows: int, prompt_len: int, response_len: int, seed: int = 0) -> RolloutBatch:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-import train
+import config
 from analysis import ablation
 
 from test_train import MICRO
@@ -19,7 +19,7 @@ def fake_run(out_dir: Path, variant: str, seed: int, pass1: float, lengths: list
              *ablation.VARIANTS[variant][0]]
     run = out_dir / f"ablation__{variant}__seed{seed}"
     run.mkdir(parents=True)
-    (run / "config.json").write_text(json.dumps(dataclasses.asdict(train.parse_config(flags))))
+    (run / "config.json").write_text(json.dumps(dataclasses.asdict(config.parse_config(flags))))
     rows = [{"step": i, "response_length/mean": n, "reward/accuracy": 0.1 * i, "critic/vf_explained_var": -seed}
             for i, n in enumerate(lengths)]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -60,7 +60,7 @@ def test_a_finished_run_with_other_settings_is_refused(tmp_path):
 def test_flags_for_every_run_do_not_override_what_a_variant_sets(tmp_path):
     args = ablation.Args(out_dir=str(tmp_path), variants=("ppo", "vc-ppo"), seeds=(0,))
     runs = ablation.plan_runs(args, ["--value-pretrain-steps", "5", "--lam-critic", "0.9"])
-    ppo, vc = (train.parse_config(r.flags) for r in runs)
+    ppo, vc = (config.parse_config(r.flags) for r in runs)
     assert (ppo.value_pretrain_steps, ppo.lam_critic, ppo.critic_init) == (0, 0.95, "rm")
     assert (vc.value_pretrain_steps, vc.lam_critic) == (5, 0.9)
 

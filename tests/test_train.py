@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import config
 import train
 from reward import GradeResult
 
@@ -24,7 +25,7 @@ MICRO = [
 
 
 def micro_config(out_dir, *extra):
-    return train.parse_config(["--out-dir", str(out_dir), *MICRO, *extra])
+    return config.parse_config(["--out-dir", str(out_dir), *MICRO, *extra])
 
 
 @pytest.fixture(scope="module")
@@ -126,12 +127,12 @@ def test_value_pretraining_lowers_value_loss_and_raises_explained_variance(out_d
 ])
 def test_bad_config_values_fail_at_start_naming_the_field(flag, value):
     with pytest.raises(SystemExit, match=flag):
-        train.parse_config([flag, value])
+        config.parse_config([flag, value])
 
 
 def test_grpo_needs_two_samples_per_prompt():
     with pytest.raises(SystemExit, match="--samples-per-prompt"):
-        train.parse_config(["--estimator", "grpo", "--samples-per-prompt", "1"])
+        config.parse_config(["--estimator", "grpo", "--samples-per-prompt", "1"])
 
 
 def run_cli(out_dir, name, *extra):
