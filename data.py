@@ -179,6 +179,13 @@ def prepare_data(cfg, tokenizer) -> tuple[list[dict], list[dict]]:
     return train_eval_split(records, cfg.eval_fraction, seed=0)
 
 
+def stream_seed(seed: int, stream: str, step: int) -> int:
+    """A seed that depends only on (run seed, stream, step). Every random draw of a run has its
+    own named stream (prompts, sampling, shuffles of each stage), so a resumed run replays it
+    exactly and no stage shifts another's draws."""
+    return int(hashlib.sha256(f"{seed}/{stream}/{step}".encode()).hexdigest()[:15], 16)
+
+
 def sample_prompts(records: list[dict], cfg, step: int, stream: str) -> list[dict]:
     """This rank's prompts for one step, each repeated `samples_per_prompt` times side by side.
 
@@ -188,8 +195,7 @@ def sample_prompts(records: list[dict], cfg, step: int, stream: str) -> list[dic
     import torch
     import torch.distributed as dist
 
-    seed = int(hashlib.sha256(f"{cfg.seed}/{stream}/{step}".encode()).hexdigest()[:15], 16)
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator().manual_seed(stream_seed(cfg.seed, stream, step))
     picked = torch.randint(len(records), (cfg.prompts_per_step,), generator=generator).tolist()
     if dist.is_initialized():
         picked = picked[dist.get_rank() :: dist.get_world_size()]

@@ -11,6 +11,7 @@ from collections import defaultdict
 
 from tqdm import tqdm
 
+from data import stream_seed
 from reward import pass_at_k, score_rollout
 from rollout import decode_responses
 
@@ -25,7 +26,7 @@ def evaluate(cfg, engine, tokenizer, records, grader, tag: str) -> dict:
         prompts = flat[start : start + chunk]
         batch = engine.generate(
             [r["prompt_ids"] for r in prompts], cfg.max_new_tokens, cfg.temperature, cfg.top_p,
-            seed=cfg.seed * 1_000_003 + 900_000 + start,
+            seed=stream_seed(cfg.seed, "eval/sampling", start),
         )
         chunk_texts = decode_responses(tokenizer, batch)
         scores, _, _ = score_rollout(batch, chunk_texts, prompts, grader, cfg)

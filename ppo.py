@@ -280,10 +280,7 @@ def update_model(cfg, model, optimizer, batch, rows, loss_fn, seed, prefix):
             local = mask.sum() if cfg.loss_agg == "token-mean" else torch.tensor(float(len(minibatch)))
             normalizer = all_reduce_sum(local.clone()).item()
             optimizer.zero_grad(set_to_none=True)
-            # Rows sorted by length, so each micro-batch is trimmed to its own longest response.
-            by_length = minibatch[batch.lengths[minibatch].argsort(stable=True)]
-            for micro_rows in by_length.split(cfg.micro_batch_size):
-                micro = batch.select(micro_rows).trim()
+            for micro_rows, micro in batch.micro_batches(minibatch, cfg.micro_batch_size):
                 width = micro.response_ids.shape[1]
                 loss, metrics = loss_fn(model, micro, {k: v[micro_rows, :width] for k, v in rows.items()},
                                         normalizer, cfg)
@@ -300,3 +297,15 @@ def update_model(cfg, model, optimizer, batch, rows, loss_fn, seed, prefix):
             optimizer.step()
             updates += 1
     return {f"{prefix}/{name}": value / updates for name, value in totals.items()}
+
+
+@torch.no_grad()
+def micro_batched_forward(per_token_fn, batch, micro_batch_size):
+    """per_token_fn(micro_batch) -> [b, width] (log-probs, values) for the whole rollout batch,
+    without gradients, over the micro-batches `update_model` uses: memory is bounded by
+    micro_batch_size rows, not by the rollout batch. Returns [B, T], 0 past each micro-batch's
+    width (on padding)."""
+    out = batch.response_mask.new_zeros(batch.response_mask.shape)
+    for rows, micro in batch.micro_batches(torch.arange(len(batch)), micro_batch_size):
+        out[rows, : micro.response_ids.shape[1]] = per_token_fn(micro)
+    return out

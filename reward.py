@@ -373,7 +373,7 @@ def prepare_orm(cfg, sft_path: str, engine, tokenizer, records: list[dict], grad
     from tqdm import tqdm
 
     from critic import load_value_model
-    from data import sample_prompts
+    from data import sample_prompts, stream_seed
     from fsdp_utils import export_hf_checkpoint
     from rollout import decode_responses
 
@@ -384,7 +384,7 @@ def prepare_orm(cfg, sft_path: str, engine, tokenizer, records: list[dict], grad
     for i in tqdm(range(cfg.orm_batches), desc="ORM data", dynamic_ncols=True, leave=False):
         prompts = sample_prompts(records, cfg, i, stream="orm")
         batch = engine.generate([p["prompt_ids"] for p in prompts], cfg.max_new_tokens,
-                                cfg.temperature, cfg.top_p, seed=cfg.seed * 1_000_003 + 700_000 + i)
+                                cfg.temperature, cfg.top_p, seed=stream_seed(cfg.seed, "orm/sampling", i))
         scores, _, _ = score_rollout(batch, decode_responses(tokenizer, batch), prompts, grader, cfg)
         batches.append(batch)
         labels.append(scores)

@@ -67,6 +67,13 @@ class RolloutBatch:
         return RolloutBatch(self.prompt_ids[:, -P:], self.prompt_mask[:, -P:], self.response_ids[:, :T],
                             self.response_mask[:, :T], self.logprobs[:, :T], self.finish_reasons)
 
+    def micro_batches(self, rows: torch.Tensor, size: int):
+        """Yield (row numbers, trimmed sub-batch) for `rows` split into micro-batches of `size`,
+        sorted by response length, so that each is padded only to its own longest response."""
+        by_length = rows[self.lengths[rows].argsort(stable=True)]
+        for micro_rows in by_length.split(size):
+            yield micro_rows, self.select(micro_rows).trim()
+
     def select(self, index) -> "RolloutBatch":
         """Rows `index` (a slice, list or tensor of row numbers); padding widths are kept."""
         if isinstance(index, slice):

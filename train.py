@@ -28,11 +28,11 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 import fsdp_utils
 from config import Config, parse_config
 from critic import assert_finite, load_value_model, response_values
-from data import prepare_data, sample_prompts
+from data import prepare_data, sample_prompts, stream_seed
 from evaluate import evaluate
 from gae import decoupled_gae, grpo_advantages, length_adaptive_lambda
 from ppo import entropy_from_logits, explained_variance, kl_penalty, masked_mean, masked_whiten
-from ppo import policy_loss, response_logprobs, update_model
+from ppo import micro_batched_forward, policy_loss, response_logprobs, update_model
 from reward import Grader, prepare_orm, score_rollout
 from rollout import HFRollout, VLLMRollout, decode_responses
 from sft import prepare_sft
@@ -82,7 +82,7 @@ def ppo_step(cfg, step, actor, critic, optimizers, engine, tokenizer, records, g
     prompts = sample_prompts(records, cfg, step, stream="ppo")
     batch = engine.generate(
         [r["prompt_ids"] for r in prompts], cfg.max_new_tokens, cfg.temperature, cfg.top_p,
-        seed=cfg.seed * 1_000_003 + step,
+        seed=stream_seed(cfg.seed, "ppo/sampling", step),
     )
     engine.sleep()  # colocated vLLM frees its GPU memory for training; woken by sync_weights
     timings["rollout"] = time.perf_counter() - t0
@@ -94,12 +94,12 @@ def ppo_step(cfg, step, actor, critic, optimizers, engine, tokenizer, records, g
 
     t0 = time.perf_counter()
     mask = batch.response_mask
-    with torch.no_grad():
-        old_logprobs, _ = policy_forward(actor, batch, cfg.temperature)
-        values = response_values(critic, batch)
-        rows = {"old_logprobs": old_logprobs, "old_values": values}
-        if cfg.kl_coef:
-            rows["ref_logprobs"] = policy_forward(ref_actor, batch, cfg.temperature)[0]
+    forward = functools.partial(micro_batched_forward, batch=batch, micro_batch_size=cfg.micro_batch_size)
+    old_logprobs = forward(lambda micro: policy_forward(actor, micro, cfg.temperature)[0])
+    values = forward(functools.partial(response_values, critic))
+    rows = {"old_logprobs": old_logprobs, "old_values": values}
+    if cfg.kl_coef:
+        rows["ref_logprobs"] = forward(lambda micro: policy_forward(ref_actor, micro, cfg.temperature)[0])
     timings["forward"] = time.perf_counter() - t0
 
     # Decoupled GAE (§3.3): advantages with lambda_actor, critic targets with lambda_critic.
@@ -118,10 +118,11 @@ def ppo_step(cfg, step, actor, critic, optimizers, engine, tokenizer, records, g
 
     t0 = time.perf_counter()
     actor_opt, critic_opt = optimizers
-    metrics = update_model(cfg, actor, actor_opt, batch, rows, actor_loss, seed=step, prefix="actor")
+    shuffle = stream_seed(cfg.seed, "ppo/shuffle", step)
+    metrics = update_model(cfg, actor, actor_opt, batch, rows, actor_loss, seed=shuffle, prefix="actor")
     if cfg.estimator == "gae":
         clipped_critic_loss = functools.partial(critic_loss, clip=cfg.value_clip)
-        metrics |= update_model(cfg, critic, critic_opt, batch, rows, clipped_critic_loss, seed=step,
+        metrics |= update_model(cfg, critic, critic_opt, batch, rows, clipped_critic_loss, seed=shuffle,
                                 prefix="critic")
     timings["update"] = time.perf_counter() - t0
 

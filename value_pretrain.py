@@ -13,18 +13,18 @@ mean explained variance rises by less than `plateau_ev_tol` (absolute).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
-import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
 from critic import assert_finite, response_values
-from data import sample_prompts
+from data import sample_prompts, stream_seed
 from fsdp_utils import export_hf_checkpoint
 from gae import compute_gae
-from ppo import explained_variance, update_model, value_loss
+from ppo import explained_variance, micro_batched_forward, update_model, value_loss
 from reward import score_rollout
 from rollout import decode_responses
 
@@ -58,17 +58,16 @@ def pretrain_value(cfg, critic, critic_optimizer, engine, tokenizer, records, gr
             cfg.max_new_tokens,
             cfg.temperature,
             cfg.top_p,
-            seed=cfg.seed * 1_000_003 + 500_000 + step,
+            seed=stream_seed(cfg.seed, "value_pretrain/sampling", step),
         )
         texts = decode_responses(tokenizer, batch)
         scores, token_rewards, _ = score_rollout(batch, texts, prompts, grader, cfg)
-        with torch.no_grad():
-            values = response_values(critic, batch)
+        values = micro_batched_forward(functools.partial(response_values, critic), batch, cfg.micro_batch_size)
         # Critic targets with lambda = 1: the Monte-Carlo return, no lambda^(T-t) decay (§3.3).
         _, returns = compute_gae(token_rewards, values, batch.response_mask, cfg.gamma, lam=1.0)
         rows = {"returns": returns, "old_values": values}
         metrics = update_model(cfg, critic, critic_optimizer, batch, rows, critic_loss,
-                               seed=500_000 + step, prefix="critic")
+                               seed=stream_seed(cfg.seed, "value_pretrain/shuffle", step), prefix="critic")
         assert_finite(critic, "critic")
         row = {
             "step": step,

@@ -34,7 +34,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from config import parse_config
 from critic import load_value_model, response_values
-from data import prepare_data, sample_prompts
+from data import prepare_data, sample_prompts, stream_seed
 from gae import compute_gae
 from ppo import masked_mean, masked_sum
 from reward import Grader, prepare_orm, score_rollout
@@ -127,7 +127,7 @@ def sample_rollouts(args: Args, cfg, engine, tokenizer, records, grader) -> list
     for i in tqdm(range(-(-args.rollouts // args.batch_size)), desc="pi_SFT rollouts", leave=False):
         prompts = sample_prompts(records, cfg, i, stream="advantage_bias")[: args.rollouts - i * args.batch_size]
         batch = engine.generate([p["prompt_ids"] for p in prompts], cfg.max_new_tokens, cfg.temperature,
-                                cfg.top_p, seed=args.seed * 1_000_003 + 900_000 + i)
+                                cfg.top_p, seed=stream_seed(args.seed, "advantage_bias/sampling", i))
         scores, token_rewards, _ = score_rollout(batch, decode_responses(tokenizer, batch), prompts, grader, cfg)
         out.append((batch, token_rewards, scores))
     return out

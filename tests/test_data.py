@@ -8,7 +8,7 @@ import pytest
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from data import LoadStats, encode_prompt, load_records, train_eval_split
+from data import LoadStats, encode_prompt, load_records, sample_prompts, stream_seed, train_eval_split
 
 TEMPLATE = ("{% for m in messages %}<u>{{ m['content'] }}{% endfor %}"
             "{% if add_generation_prompt %}<a>{% endif %}")
@@ -140,3 +140,19 @@ def test_split_keeps_duplicates_on_one_side_and_checks_fraction():
     for bad in (-0.1, 1.0):
         with pytest.raises(ValueError, match="eval_fraction"):
             train_eval_split(records, eval_fraction=bad)
+
+
+def test_sample_prompts_and_stream_seeds_depend_only_on_seed_stream_and_step():
+    """A resumed run draws the same prompts and sampling seeds; other streams and steps differ."""
+    from types import SimpleNamespace
+
+    records = [{"id": i} for i in range(1000)]
+    cfg = SimpleNamespace(seed=3, prompts_per_step=8, samples_per_prompt=2)
+    batch = sample_prompts(records, cfg, step=5, stream="ppo")
+    assert [r["id"] for r in batch[::2]] == [r["id"] for r in batch[1::2]]  # each prompt twice, side by side
+    assert batch == sample_prompts(records, cfg, step=5, stream="ppo")
+    assert batch != sample_prompts(records, cfg, step=6, stream="ppo")
+    assert batch != sample_prompts(records, cfg, step=5, stream="value_pretrain")
+    seeds = {stream_seed(s, name, t) for s in (0, 1) for name in ("ppo/sampling", "eval/sampling") for t in range(50)}
+    assert len(seeds) == 200 and stream_seed(0, "ppo/sampling", 7) == stream_seed(0, "ppo/sampling", 7)
+    assert all(0 <= s < 2**60 for s in seeds)  # fits torch.manual_seed and numpy's SeedSequence

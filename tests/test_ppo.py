@@ -342,3 +342,27 @@ def test_trim_drops_unused_padding_and_keeps_the_outputs():
         full = short.response_slice(model(**short.model_inputs()).logits)[:, : trimmed.response_ids.shape[1]]
         cut = trimmed.response_slice(model(**trimmed.model_inputs()).logits)
     assert torch.allclose(full, cut, atol=1e-5)
+
+
+def test_micro_batched_forward_equals_the_whole_batch_forward_in_bounded_micro_batches():
+    """The no-grad forward before the update (old log-probs, values) runs in length-sorted,
+    trimmed micro-batches of at most micro_batch_size rows, and reassembles the whole-batch result."""
+    import train
+    from ppo import micro_batched_forward
+
+    model, batch = ragged_rollout()
+    with torch.no_grad():
+        whole, _ = train.policy_forward(model, batch, temperature=0.7)
+    seen = []
+
+    def logprobs(micro):
+        seen.append((len(micro), micro.response_ids.shape[1], int(micro.lengths.max())))
+        return train.policy_forward(model, micro, temperature=0.7)[0]
+
+    out = micro_batched_forward(logprobs, batch, micro_batch_size=3)
+    assert out.shape == whole.shape and not out.requires_grad
+    assert torch.allclose(out, whole, atol=1e-5)
+    assert (out[batch.response_mask == 0] == 0).all()
+    assert sum(rows for rows, _, _ in seen) == len(batch) and max(rows for rows, _, _ in seen) <= 3
+    assert all(width == longest for _, width, longest in seen)  # each trimmed to its own longest
+    assert min(width for _, width, _ in seen) < batch.response_ids.shape[1]
