@@ -77,7 +77,9 @@ def advantage_by_position(advantages, mask, bins: int = POSITION_BINS) -> list[f
     return [masked_mean(advantages, mask * (bin_of == b)).item() for b in range(bins)]
 
 
-def ppo_step(cfg, step, actor, critic, optimizers, engine, tokenizer, records, grader, ref_actor):
+def ppo_step(cfg, step, models, optimizers, engine, tokenizer, records, grader, ref_actor):
+    """One iteration of Algorithm 1. models: {"actor"} and, unless GRPO, {"critic"}; optimizers alike."""
+    actor, critic = models["actor"], models.get("critic")
     timings, t0 = {}, time.perf_counter()
     prompts = sample_prompts(records, cfg, step, stream="ppo")
     batch = engine.generate(
@@ -95,35 +97,35 @@ def ppo_step(cfg, step, actor, critic, optimizers, engine, tokenizer, records, g
     t0 = time.perf_counter()
     mask = batch.response_mask
     forward = functools.partial(micro_batched_forward, batch=batch, micro_batch_size=cfg.micro_batch_size)
-    old_logprobs = forward(lambda micro: policy_forward(actor, micro, cfg.temperature)[0])
-    values = forward(functools.partial(response_values, critic))
-    rows = {"old_logprobs": old_logprobs, "old_values": values}
+    rows = {"old_logprobs": forward(lambda micro: policy_forward(actor, micro, cfg.temperature)[0])}
     if cfg.kl_coef:
         rows["ref_logprobs"] = forward(lambda micro: policy_forward(ref_actor, micro, cfg.temperature)[0])
+    if critic is not None:
+        rows["old_values"] = values = forward(functools.partial(response_values, critic))
     timings["forward"] = time.perf_counter() - t0
 
-    # Decoupled GAE (§3.3): advantages with lambda_actor, critic targets with lambda_critic.
-    lam_actor = cfg.lam_actor
-    if cfg.length_adaptive_alpha is not None:  # VAPO: lambda = 1 - 1/(alpha * l) per response
-        lam_actor = length_adaptive_lambda(batch.lengths, cfg.length_adaptive_alpha)
-    advantages, returns = decoupled_gae(
-        token_rewards, values, mask, cfg.gamma, lam_actor=lam_actor, lam_critic=cfg.lam_critic
-    )
-    if cfg.estimator == "grpo":
+    if critic is None:  # GRPO: the group-normalised outcome, no critic
         advantages = grpo_advantages(scores, mask, cfg.samples_per_prompt)
+    else:  # Decoupled GAE (§3.3): advantages with lambda_actor, critic targets with lambda_critic.
+        lam_actor = cfg.lam_actor
+        if cfg.length_adaptive_alpha is not None:  # VAPO: lambda = 1 - 1/(alpha * l) per response
+            lam_actor = length_adaptive_lambda(batch.lengths, cfg.length_adaptive_alpha)
+        advantages, rows["returns"] = decoupled_gae(
+            token_rewards, values, mask, cfg.gamma, lam_actor=lam_actor, lam_critic=cfg.lam_critic
+        )
     position_adv = advantage_by_position(advantages, mask)
     if cfg.whiten_advantages:
         advantages = masked_whiten(advantages, mask)
-    rows.update(advantages=advantages, returns=returns)
+    rows["advantages"] = advantages
 
     t0 = time.perf_counter()
-    actor_opt, critic_opt = optimizers
     shuffle = stream_seed(cfg.seed, "ppo/shuffle", step)
-    metrics = update_model(cfg, actor, actor_opt, batch, rows, actor_loss, seed=shuffle, prefix="actor")
-    if cfg.estimator == "gae":
+    metrics = update_model(cfg, actor, optimizers["actor"], batch, rows, actor_loss, seed=shuffle,
+                           prefix="actor")
+    if critic is not None:
         clipped_critic_loss = functools.partial(critic_loss, clip=cfg.value_clip)
-        metrics |= update_model(cfg, critic, critic_opt, batch, rows, clipped_critic_loss, seed=shuffle,
-                                prefix="critic")
+        metrics |= update_model(cfg, critic, optimizers["critic"], batch, rows, clipped_critic_loss,
+                                seed=shuffle, prefix="critic")
     timings["update"] = time.perf_counter() - t0
 
     lengths = batch.lengths.float()
@@ -135,10 +137,11 @@ def ppo_step(cfg, step, actor, critic, optimizers, engine, tokenizer, records, g
         "reward/accuracy": (scores > 0).float().mean().item(),
         "reward/grader_timeouts": reward_stats["timeouts"],
         "reward/missing_box": reward_stats["missing_box"],
-        "critic/values_mean": masked_mean(values, mask).item(),
-        "critic/vf_explained_var": explained_variance(values, returns, mask).item(),
         "advantage/mean": masked_mean(advantages, mask).item(),
     }
+    if critic is not None:  # the values the advantages were computed from, before the update
+        metrics |= {"critic/values_mean": masked_mean(values, mask).item(),
+                    "critic/vf_explained_var": explained_variance(values, rows["returns"], mask).item()}
     metrics |= {f"advantage/pos_bin{b}": v for b, v in enumerate(position_adv)}
     metrics |= {f"time/{k}": v for k, v in timings.items()}
     metrics["time/step"] = sum(timings.values())
@@ -198,11 +201,9 @@ class MetricsLog:
         self.tb.flush()
 
 
-def save(cfg, run_dir, step, actor, critic, optimizers, schedulers):
+def save(cfg, run_dir, step, models, optimizers, schedulers):
     fsdp_utils.save_checkpoint(
-        os.path.join(run_dir, "checkpoint"),
-        {"actor": actor, "critic": critic},
-        {"actor": optimizers[0], "critic": optimizers[1]},
+        os.path.join(run_dir, "checkpoint"), models, optimizers,
         {"step": step, "schedulers": [s.state_dict() for s in schedulers],
          "config": dataclasses.asdict(cfg)},
     )
@@ -242,56 +243,55 @@ def main(cfg: Config) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(sft_path)
     train_records, eval_records = prepare_data(cfg, tokenizer)
     grader = Grader(num_workers=cfg.grader_workers, timeout_s=cfg.grader_timeout_s)
-    actor = load_actor(cfg, sft_path, dist_info)
-    engine = build_engine(cfg, actor, sft_path, tokenizer)
+    models = {"actor": load_actor(cfg, sft_path, dist_info)}
+    engine = build_engine(cfg, models["actor"], sft_path, tokenizer)
     summary = {"sft": evaluate(cfg, engine, tokenizer, eval_records, grader, "sft")}
 
-    critic_init = prepare_orm(cfg, sft_path, engine, tokenizer, train_records, grader)
-    vp_dir = os.path.join(run_dir, "value_pretrain")
-    pretrained = cfg.value_pretrain_steps > 0 and os.path.exists(os.path.join(vp_dir, "critic"))
-    critic = shard(cfg, load_value_model(os.path.join(vp_dir, "critic") if pretrained else critic_init),
-                   dist_info)
-    critic_opt = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr, weight_decay=0.0)
-    if cfg.value_pretrain_steps > 0 and cfg.estimator == "gae":
-        if not pretrained:
-            history = pretrain_value(cfg, critic, critic_opt, engine, tokenizer, train_records, grader, vp_dir)
+    if cfg.estimator == "gae":  # GRPO has no critic
+        critic_init = prepare_orm(cfg, sft_path, engine, tokenizer, train_records, grader)
+        vp_dir = os.path.join(run_dir, "value_pretrain")
+        pretrained = cfg.value_pretrain_steps > 0 and os.path.exists(os.path.join(vp_dir, "critic"))
+        critic = shard(cfg, load_value_model(os.path.join(vp_dir, "critic") if pretrained else critic_init),
+                       dist_info)
+        if cfg.value_pretrain_steps > 0 and not pretrained:
+            pretrain_opt = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr, weight_decay=0.0)
+            history = pretrain_value(cfg, critic, pretrain_opt, engine, tokenizer, train_records, grader, vp_dir)
             summary["value_pretrain"] = history[-1]
-        critic_opt = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr, weight_decay=0.0)
+        models["critic"] = critic
 
-    actor_opt = torch.optim.AdamW(actor.parameters(), lr=cfg.actor_lr, weight_decay=0.0)
-    optimizers = (actor_opt, critic_opt)
+    lr = {"actor": cfg.actor_lr, "critic": cfg.critic_lr}
+    optimizers = {name: torch.optim.AdamW(m.parameters(), lr=lr[name], weight_decay=0.0) for name, m in models.items()}
     warmup = lambda s: min(1.0, (s + 1) / max(1, cfg.lr_warmup_steps))  # warm-up, then constant
-    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, warmup) for o in optimizers]
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, warmup) for o in optimizers.values()]
     ref_actor = load_actor(cfg, sft_path, dist_info) if cfg.kl_coef else None
 
     start = 0
     ckpt = os.path.join(run_dir, "checkpoint")
     if cfg.resume and os.path.exists(ckpt):
-        extra = fsdp_utils.load_checkpoint(ckpt, {"actor": actor, "critic": critic},
-                                           {"actor": actor_opt, "critic": critic_opt})
+        extra = fsdp_utils.load_checkpoint(ckpt, models, optimizers)
         for s, state in zip(schedulers, extra["schedulers"]):
             s.load_state_dict(state)
         start = extra["step"] + 1
-        engine.sync_weights(actor)
+        engine.sync_weights(models["actor"])
         tqdm.write(f"resumed from {ckpt} at step {start}")
     log = MetricsLog(run_dir, keep_up_to_step=start - 1, enabled=dist_info.is_main)
 
     bar = tqdm(range(start, cfg.steps), desc="PPO", dynamic_ncols=True, disable=not dist_info.is_main)
     for step in bar:
         try:
-            metrics = ppo_step(cfg, step, actor, critic, optimizers, engine, tokenizer,
-                               train_records, grader, ref_actor)
+            metrics = ppo_step(cfg, step, models, optimizers, engine, tokenizer, train_records, grader,
+                               ref_actor)
         except FloatingPointError as err:
             sys.exit(f"error: {err}; stopped. Last good checkpoint: {ckpt} (resume with --resume)")
         for s in schedulers:
             s.step()
-        assert_finite(actor, "actor")
-        engine.sync_weights(actor)
+        assert_finite(models["actor"], "actor")
+        engine.sync_weights(models["actor"])
         log.write(step, metrics)
         bar.set_postfix(acc=f"{metrics['reward/accuracy']:.2f}",
                         len=f"{metrics['response_length/mean']:.0f}")
         if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
-            save(cfg, run_dir, step, actor, critic, optimizers, schedulers)
+            save(cfg, run_dir, step, models, optimizers, schedulers)
 
     summary["ppo"] = evaluate(cfg, engine, tokenizer, eval_records, grader, "ppo")
     grader.close()

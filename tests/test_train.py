@@ -178,3 +178,17 @@ def test_whole_pipeline_runs_under_torchrun_with_fsdp2_and_vllm(tmp_path):
     run_dir = tmp_path / "tiny__sft__seed0"
     assert [r["step"] for r in read_metrics(run_dir)] == [0, 1]
     assert (run_dir / "summary.json").exists() and (run_dir / "value_pretrain" / "critic").is_dir()
+
+
+def test_grpo_run_loads_no_critic_and_logs_no_critic_metrics(out_dir, sft):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    cfg = micro_config(out_dir, "--run-name", "grpo", "--steps", "2", "--estimator", "grpo",
+                       "--value-pretrain-steps", "2", "--critic-init", "rm")
+    train.main(cfg)
+    rows = read_metrics(out_dir / "grpo")
+    assert [r["step"] for r in rows] == [0, 1] and "actor/pg_loss" in rows[0]
+    assert not [key for r in rows for key in r if key.startswith("critic/")]
+    assert not (out_dir / "grpo" / "value_pretrain").exists()
+    saved = FileSystemReader(str(out_dir / "grpo" / "checkpoint")).read_metadata().state_dict_metadata
+    assert {key.split(".")[0] for key in saved} == {"actor"}
