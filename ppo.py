@@ -35,7 +35,8 @@ _KL_KINDS = ("k1", "k2", "k3")
 def check_masked_inputs(mask, right_padded=False, **tensors):
     """Raise ValueError naming the argument if a tensor's shape differs from mask's, the mask is
     not binary (or, with right_padded, not ones-then-zeros in every row), or a tensor holds
-    NaN/inf. Reductions only, no [B, T] temporaries (about a fifth of a CPU decoupled_gae call)."""
+    NaN/inf. Reductions over the inputs, plus the two [B, T] products that vecdot forms before
+    summing (about a fifth of a CPU decoupled_gae call)."""
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
         raise ValueError(f"mask must be a 2-D [B, T] tensor, got {getattr(mask, 'shape', type(mask))}")
     for name, x in tensors.items():
