@@ -116,7 +116,9 @@ def main():
 
     print("summary (medians; speedup = loop / decoupled_gae, over copy = decoupled_gae / copy bound):")
     for (mode, shape), (speedup, over) in results.items():
-        print(f"  {mode:10s} B={shape[0]} T={shape[1]}: speedup {speedup:.0f}x, over copy bound {over:.2f}")
+        goals = "both goals met" if speedup >= 100 and over <= 3 else "goal missed"
+        print(f"  {mode:10s} B={shape[0]} T={shape[1]}: speedup {speedup:.0f}x, over copy bound {over:.2f}"
+              f"{f' ({goals})' if shape == SHAPES[0] else ''}")
     speedup, over = results.get(("keep-freed", SHAPES[0]), results[("default", SHAPES[0])])
     print(f"gae speedup_vs_loop={speedup:.0f} over_copy_bound={over:.2f}")
 
