@@ -40,9 +40,7 @@ def compute_gae(rewards, values, mask, gamma=1.0, lam=0.95):
     """GAE, Eq. (5)-(7). lam is a float or a float tensor [B] (one lambda per response).
     Returns (advantages, returns), both [B, T] and 0 on padding."""
     mask = _check(rewards, values, mask, gamma)
-    lam = _lam(lam, mask.shape[0], "lam")
-    x = _add_bootstrap(rewards * mask, values, mask, gamma * (1 - lam))
-    ret = _reverse_discounted_sum(x, gamma * lam)
+    ret = _lambda_return(rewards * mask, values, mask, gamma, _lam(lam, mask.shape[0], "lam"))
     return torch.addcmul(ret, values, mask, value=-1), ret
 
 
@@ -55,10 +53,9 @@ def decoupled_gae(rewards, values, mask, gamma=1.0, lam_actor=0.95, lam_critic=1
     # One scratch buffer holds the critic's scan input, then the actor's: at long-CoT sizes a
     # fresh [B, T] buffer costs about as much as the arithmetic (bench/gae_bench.py). Each input
     # is rebuilt from r * mask, so neither result depends, even in rounding, on the other lambda.
-    x = rewards * mask
-    ret = _reverse_discounted_sum(_add_bootstrap(x, values, mask, gamma * (1 - lam_critic)), gamma * lam_critic)
-    x = _add_bootstrap(torch.mul(rewards, mask, out=x), values, mask, gamma * (1 - lam_actor))
-    adv = _reverse_discounted_sum(x, gamma * lam_actor)
+    scratch = rewards * mask
+    ret = _lambda_return(scratch, values, mask, gamma, lam_critic)
+    adv = _lambda_return(torch.mul(rewards, mask, out=scratch), values, mask, gamma, lam_actor)
     return adv.addcmul_(values, mask, value=-1), ret  # A = R(lam_actor) - V(s_t), in place
 
 
@@ -157,17 +154,16 @@ def _lam(lam, batch, name):
     return float(lam)
 
 
-def _add_bootstrap(x, values, mask, weight):
-    """x_t += weight V(s_{t+1}) in place, where token t+1 is valid: with x = r * mask and
-    weight = gamma (1 - lam) this is the input of the lambda-return recursion
-        R_t = x_t + gamma lam R_{t+1}.
-    V(s_{t+1}) is read only where token t+1 is valid, so padding values never leak in (verl PR
-    #50). weight is a float or a [B] tensor (per-response lambdas)."""
-    if isinstance(weight, torch.Tensor):
-        x[:, :-1].addcmul_(values[:, 1:] * weight.to(x).unsqueeze(1), mask[:, 1:])
-    elif weight != 0:
-        x[:, :-1].addcmul_(values[:, 1:], mask[:, 1:], value=weight)
-    return x
+def _lambda_return(x, values, mask, gamma, lam):
+    """R_t = x_t + gamma lam R_{t+1}, where x holds r * mask on entry and gets, in place,
+    x_t += gamma (1 - lam) V(s_{t+1}) wherever token t+1 is valid: V(s_{t+1}) is never read on
+    padding, so padding values never leak in (verl PR #50). lam: float or [B] tensor."""
+    bootstrap = gamma * (1 - lam)
+    if isinstance(bootstrap, torch.Tensor):
+        x[:, :-1].addcmul_(values[:, 1:] * bootstrap.to(x).unsqueeze(1), mask[:, 1:])
+    elif bootstrap != 0:
+        x[:, :-1].addcmul_(values[:, 1:], mask[:, 1:], value=bootstrap)
+    return _reverse_discounted_sum(x, gamma * lam)
 
 
 def _scan_matrices(decay, size, like):
