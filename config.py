@@ -158,8 +158,11 @@ class Config:
     cpu_offload: bool = False
     """offload sharded parameters and optimizer states to CPU"""
 
-    def validate(self) -> None:
-        """Fail at start, naming the field."""
+    def validate(self, world_size: int = 1) -> None:
+        """Fail at start, naming the field. Under torchrun every rank must get the same number of
+        rows and of equal mini-batches: ranks running different numbers of micro-batches would
+        call FSDP's collectives out of step (a crash on gloo, a hang on NCCL)."""
+        rows_per_rank = self.prompts_per_step // world_size * self.samples_per_prompt
         checks = {
             "lam_actor": 0.0 <= self.lam_actor <= 1.0,
             "lam_critic": 0.0 <= self.lam_critic <= 1.0,
@@ -167,10 +170,10 @@ class Config:
             "length_adaptive_alpha": self.length_adaptive_alpha is None or self.length_adaptive_alpha > 0,
             "steps": self.steps >= 0,
             "value_pretrain_steps": self.value_pretrain_steps >= 0,
-            "prompts_per_step": self.prompts_per_step >= 1,
+            "prompts_per_step": self.prompts_per_step >= 1 and self.prompts_per_step % world_size == 0,
             "samples_per_prompt": self.samples_per_prompt >= (2 if self.estimator == "grpo" else 1),
             "ppo_epochs": self.ppo_epochs >= 1,
-            "num_minibatches": 1 <= self.num_minibatches <= self.prompts_per_step * self.samples_per_prompt,
+            "num_minibatches": 1 <= self.num_minibatches and rows_per_rank % self.num_minibatches == 0,
             "micro_batch_size": self.micro_batch_size >= 1,
             "actor_lr": self.actor_lr > 0,
             "critic_lr": self.critic_lr > 0,
@@ -194,7 +197,10 @@ class Config:
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
             name = bad[0]
-            raise ValueError(f"invalid config: --{name.replace('_', '-')} = {getattr(self, name)!r}")
+            hint = {"prompts_per_step": f" (must be a multiple of the world size, {world_size})",
+                    "num_minibatches": f" (must divide the {rows_per_rank} rows each rank gets a step)"}
+            raise ValueError(f"invalid config: --{name.replace('_', '-')} = {getattr(self, name)!r}"
+                             f"{hint.get(name, '')}")
 
 
 PRESETS = {
@@ -223,7 +229,7 @@ def parse_config(argv: list[str], description: str | None = None) -> Config:
         raise SystemExit(f"error: --preset must be one of {sorted(PRESETS)}, got {preset!r}")
     cfg = tyro.cli(Config, default=PRESETS[preset], args=argv, description=description)
     try:
-        cfg.validate()
+        cfg.validate(world_size=int(os.environ.get("WORLD_SIZE", 1)))  # set by torchrun
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
     if cfg.run_name is None:

@@ -12,8 +12,10 @@ distribution (§3.1); VC-PPO initialises it from pi_SFT with a fresh head, then 
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForTokenClassification
 
+from fsdp_utils import reduce_metrics
 from rollout import RolloutBatch
 
 
@@ -50,7 +52,10 @@ def response_values(model, batch: RolloutBatch) -> torch.Tensor:
 
 
 def assert_finite(model, name: str) -> None:
-    """Stop with a clear message when a model's weights hold NaN or inf."""
-    for param_name, param in model.named_parameters():
-        if not torch.isfinite(param).all():
-            raise FloatingPointError(f"{name}: parameter {param_name} holds NaN or inf")
+    """Stop with a clear message when a model's weights hold NaN or inf; under torchrun every
+    rank stops (a rank sees only its shards, and one rank leaving alone would hang the others)."""
+    local = {n: p.to_local() if isinstance(p, DTensor) else p for n, p in model.named_parameters()}
+    bad = [n for n, p in local.items() if not torch.isfinite(p).all()]
+    if reduce_metrics({"bad": len(bad)}, sums=("bad",))["bad"] > 0:
+        where = f"parameter {bad[0]}" if bad else "a parameter shard on another rank"
+        raise FloatingPointError(f"{name}: {where} holds NaN or inf")

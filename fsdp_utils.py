@@ -61,11 +61,39 @@ def init_distributed() -> DistInfo:
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
 
 
+def close_distributed() -> None:
+    """Leave torchrun's process group once every rank is done (a no-op in one process): a rank
+    that exits with the group still up can abort while the others still talk to it."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
     """Sum over ranks (in place); identity in a single process."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(value, op=dist.ReduceOp.SUM)
     return value
+
+
+def reduce_metrics(metrics: dict, sums=(), maxes=()) -> dict:
+    """The whole step's metrics from each rank's share: keys in `sums` add up over ranks (counts,
+    throughput), keys in `maxes` take the largest, every other key is averaged. The average is exact
+    for means over rows (each rank holds as many rows, config.validate); token-weighted means
+    (advantage, values, explained variance) become the mean of the ranks' values. Every rank gets
+    the same numbers, so decisions taken on them (stop, raise) agree. Identity in one process."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return dict(metrics)
+    keys = sorted(metrics)  # the same order on every rank
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=device)
+    is_max = torch.tensor([k in maxes for k in keys], device=device)
+    summed = all_reduce_sum(torch.where(is_max, 0.0, values))
+    largest = torch.where(is_max, values, -torch.inf)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    world = dist.get_world_size()
+    return {k: (largest[i] if k in maxes else summed[i] if k in sums else summed[i] / world).item()
+            for i, k in enumerate(keys)}
 
 
 def shard_model(
@@ -107,7 +135,11 @@ def shard_model(
         warnings.warn("shard_model: mixed_precision and cpu_offload apply on GPU only; ignored on CPU")
     for layer in layers:
         fully_shard(layer, **options)
-    fully_shard(model, **options)
+    # The root too reshards after forward (FSDP2 keeps its parameters gathered by default): after
+    # a no-grad forward (generate, evaluation, old log-probs) the module would otherwise hold
+    # plain unsharded tensors, and an optimizer built then would train copies (embeddings, tied
+    # head, final norm) that the next backward never reaches.
+    fully_shard(model, reshard_after_forward=True, **options)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
@@ -118,13 +150,17 @@ def shard_model(
 def save_checkpoint(path: str, models: dict, optimizers: dict, extra: dict) -> None:
     """Models + optimizers (sharded or not) + plain extras (step, RNG, config) into `path`.
 
-    Written to `path.tmp` and renamed, so a run killed while saving keeps the previous checkpoint.
+    Written to `path.tmp` and renamed, so a run killed while saving keeps the previous checkpoint
+    (`latest_checkpoint` finds it, whichever step the kill came at).
     """
     state = {}
     for name, model in models.items():
         model_sd, optim_sd = get_state_dict(model, optimizers[name])
         state[name] = {"model": model_sd, "optim": optim_sd}
     tmp = path + ".tmp"
+    if _rank() == 0:  # a complete tmp left by a killed save must not mix with this one's files
+        shutil.rmtree(tmp, ignore_errors=True)
+    _barrier()
     dcp.save(state, checkpoint_id=tmp)
     if _rank() == 0:
         torch.save(extra, os.path.join(tmp, "extra.pt"))
@@ -133,6 +169,16 @@ def save_checkpoint(path: str, models: dict, optimizers: dict, extra: dict) -> N
         os.replace(tmp, path)
         shutil.rmtree(path + ".old", ignore_errors=True)
     _barrier()
+
+
+def latest_checkpoint(path: str) -> str | None:
+    """The newest complete checkpoint that `save_checkpoint(path, ...)` left, or None. A save
+    killed between its two renames leaves no `path`, the new one at `path.tmp` (complete once
+    extra.pt, written last, is there) and the previous one at `path.old`."""
+    for candidate in (path, path + ".tmp", path + ".old"):
+        if os.path.exists(os.path.join(candidate, "extra.pt")):
+            return candidate
+    return None
 
 
 def load_checkpoint(path: str, models: dict, optimizers: dict) -> dict:

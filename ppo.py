@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from fsdp_utils import all_reduce_sum
+from fsdp_utils import all_reduce_sum, reduce_metrics
 
 # exp(log-ratio) overflows float32 near 88; a ratio of e^20 is already meaningless, and the clamp
 # keeps A = 0 tokens from turning into 0 * inf = NaN.
@@ -91,9 +91,12 @@ def masked_var(x, mask, dim=None, unbiased=True):
 
 def masked_whiten(x, mask, shift_mean=True, eps=1e-8):
     """(x - mean) / std over the valid tokens only; padding stays 0. With shift_mean=False the
-    mean is added back (only the scale is normalised)."""
+    mean is added back (only the scale is normalised). Under torchrun the mean and (Bessel-
+    corrected) variance are those of every rank's tokens together, as in one process."""
     mask = mask.to(x.dtype)
-    mean, var = masked_mean(x, mask), masked_var(x, mask)
+    count, total = all_reduce_sum(torch.stack([mask.sum(), masked_sum(x, mask)]))
+    mean = total / count.clamp_min(1)
+    var = all_reduce_sum(masked_sum((x - mean) ** 2, mask)) / (count - 1).clamp_min(1)
     whitened = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         whitened = whitened + mean
@@ -270,34 +273,37 @@ def update_model(cfg, model, optimizer, batch, rows, loss_fn, seed, prefix):
     the micro-batch split nor the number of ranks changes the gradient (verl PR #6957).
     `loss_fn(model, micro_batch, micro_rows, normalizer, cfg) -> (loss, metrics)`; `rows` holds the
     per-row tensors ([B, T]) the loss needs. Metrics named `*_loss` add up over micro-batches; the
-    others are token means, weighted by each micro-batch's tokens. Returns `<prefix>/<name>` means.
+    others are token means, each micro-batch weighted by its share of the mini-batch's tokens on
+    all ranks; both are then summed over ranks: the whole batch's values, the same on every rank.
+    Returns `<prefix>/<name>` means over the optimizer steps.
     """
     generator = torch.Generator().manual_seed(seed)
-    totals, updates = {}, 0
+    totals, grad_norms = {}, []
     for _ in range(cfg.ppo_epochs):
         order = torch.randperm(len(batch), generator=generator)
         for minibatch in order.chunk(cfg.num_minibatches):
             mask = batch.response_mask[minibatch]
-            local = mask.sum() if cfg.loss_agg == "token-mean" else torch.tensor(float(len(minibatch)))
-            normalizer = all_reduce_sum(local.clone()).item()
+            local = torch.stack([mask.sum(), mask.new_tensor(len(minibatch))]).double()
+            tokens, sequences = all_reduce_sum(local).tolist()
+            normalizer = tokens if cfg.loss_agg == "token-mean" else sequences
             optimizer.zero_grad(set_to_none=True)
             for micro_rows, micro in batch.micro_batches(minibatch, cfg.micro_batch_size):
                 width = micro.response_ids.shape[1]
                 loss, metrics = loss_fn(model, micro, {k: v[micro_rows, :width] for k, v in rows.items()},
                                         normalizer, cfg)
                 loss.backward()
-                share = (micro.response_mask.sum() / mask.sum().clamp(min=1)).item()
+                share = micro.response_mask.sum().item() / max(tokens, 1.0)
                 for name, value in metrics.items():
                     weight = 1.0 if name.endswith("_loss") else share
                     totals[name] = totals.get(name, 0.0) + weight * float(value)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
             grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-            if not math.isfinite(grad_norm):
+            if not math.isfinite(grad_norm):  # a global norm: every rank stops here together
                 raise FloatingPointError(f"{prefix}: gradient norm is {grad_norm}")
-            totals["grad_norm"] = totals.get("grad_norm", 0.0) + grad_norm
+            grad_norms.append(grad_norm)
             optimizer.step()
-            updates += 1
-    return {f"{prefix}/{name}": value / updates for name, value in totals.items()}
+    totals = reduce_metrics(totals, sums=totals.keys()) | {"grad_norm": sum(grad_norms)}
+    return {f"{prefix}/{name}": value / len(grad_norms) for name, value in totals.items()}
 
 
 @torch.no_grad()

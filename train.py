@@ -31,8 +31,8 @@ from critic import assert_finite, load_value_model, response_values
 from data import prepare_data, sample_prompts, stream_seed
 from evaluate import evaluate
 from gae import decoupled_gae, grpo_advantages, length_adaptive_lambda
-from ppo import entropy_from_logits, explained_variance, kl_penalty, masked_mean, masked_whiten
-from ppo import micro_batched_forward, policy_loss, response_logprobs, update_model
+from ppo import aggregate_loss, entropy_from_logits, explained_variance, kl_penalty, masked_mean
+from ppo import masked_whiten, micro_batched_forward, policy_loss, response_logprobs, update_model
 from reward import Grader, prepare_orm, score_rollout
 from rollout import HFRollout, VLLMRollout, decode_responses
 from sft import prepare_sft
@@ -60,12 +60,12 @@ def actor_loss(actor, micro, rows, normalizer, cfg):
         mode=cfg.loss_agg, normalizer=normalizer,
     )
     metrics["entropy"] = masked_mean(entropy.detach(), mask)
-    if cfg.entropy_coef:
-        loss = loss - cfg.entropy_coef * (entropy * mask).sum() / normalizer
+    if cfg.entropy_coef:  # aggregated like the policy loss (token- or sequence-mean)
+        loss = loss - cfg.entropy_coef * aggregate_loss(entropy, mask, cfg.loss_agg, normalizer)
     if cfg.kl_coef:  # off by default: VC-PPO removes the KL term
-        kl = kl_penalty(logprobs, rows["ref_logprobs"], cfg.kl_estimator) * mask
-        loss = loss + cfg.kl_coef * kl.sum() / normalizer
-        metrics["kl"] = kl.sum().detach() / mask.sum().clamp(min=1)
+        kl = kl_penalty(logprobs, rows["ref_logprobs"], cfg.kl_estimator)
+        loss = loss + cfg.kl_coef * aggregate_loss(kl, mask, cfg.loss_agg, normalizer)
+        metrics["kl"] = masked_mean(kl.detach(), mask)
     return loss, metrics
 
 
@@ -129,7 +129,7 @@ def ppo_step(cfg, step, models, optimizers, engine, tokenizer, records, grader, 
     timings["update"] = time.perf_counter() - t0
 
     lengths = batch.lengths.float()
-    metrics |= {
+    step_metrics = {  # this rank's share; reduced over ranks below (update_model's already are)
         "response_length/mean": lengths.mean().item(),
         "response_length/max": lengths.max().item(),
         "response_length/truncated_frac": sum(f == "length" for f in batch.finish_reasons) / len(batch),
@@ -140,12 +140,16 @@ def ppo_step(cfg, step, models, optimizers, engine, tokenizer, records, grader, 
         "advantage/mean": masked_mean(advantages, mask).item(),
     }
     if critic is not None:  # the values the advantages were computed from, before the update
-        metrics |= {"critic/values_mean": masked_mean(values, mask).item(),
-                    "critic/vf_explained_var": explained_variance(values, rows["returns"], mask).item()}
-    metrics |= {f"advantage/pos_bin{b}": v for b, v in enumerate(position_adv)}
-    metrics |= {f"time/{k}": v for k, v in timings.items()}
-    metrics["time/step"] = sum(timings.values())
-    metrics["perf/tokens_per_s"] = mask.sum().item() / metrics["time/step"]
+        step_metrics |= {"critic/values_mean": masked_mean(values, mask).item(),
+                         "critic/vf_explained_var": explained_variance(values, rows["returns"], mask).item()}
+    step_metrics |= {f"advantage/pos_bin{b}": v for b, v in enumerate(position_adv)}
+    step_metrics |= {f"time/{k}": v for k, v in timings.items()}
+    step_metrics["time/step"] = sum(timings.values())
+    step_metrics["perf/tokens_per_s"] = mask.sum().item() / step_metrics["time/step"]
+    metrics |= fsdp_utils.reduce_metrics(
+        step_metrics, maxes=("response_length/max",),
+        sums=("reward/grader_timeouts", "reward/missing_box", "perf/tokens_per_s"),
+    )
     for key in ("actor/pg_loss", "critic/vf_loss"):
         if key in metrics and not math.isfinite(metrics[key]):
             raise FloatingPointError(f"step {step}: {key} is {metrics[key]}")
@@ -189,7 +193,7 @@ class MetricsLog:
                 rows = [line for line in f if json.loads(line)["step"] <= keep_up_to_step]
         with open(self.path, "w") as f:
             f.writelines(rows)
-        self.tb = SummaryWriter(run_dir)
+        self.tb = SummaryWriter(run_dir, purge_step=keep_up_to_step + 1)  # drop the replayed steps
 
     def write(self, step: int, metrics: dict) -> None:
         if not self.enabled:
@@ -267,13 +271,17 @@ def main(cfg: Config) -> dict:
 
     start = 0
     ckpt = os.path.join(run_dir, "checkpoint")
-    if cfg.resume and os.path.exists(ckpt):
-        extra = fsdp_utils.load_checkpoint(ckpt, models, optimizers)
+    found = fsdp_utils.latest_checkpoint(ckpt)
+    if cfg.resume and found:
+        extra = fsdp_utils.load_checkpoint(found, models, optimizers)
         for s, state in zip(schedulers, extra["schedulers"]):
             s.load_state_dict(state)
         start = extra["step"] + 1
         engine.sync_weights(models["actor"])
-        tqdm.write(f"resumed from {ckpt} at step {start}")
+        tqdm.write(f"resumed from {found} at step {start}")
+    elif found or cfg.resume:
+        tqdm.write(f"{'found' if found else 'no checkpoint at'} {ckpt}: PPO starts at step 0, and "
+                   f"replaces {run_dir}/metrics.jsonl{'' if cfg.resume else ' (--resume continues from it)'}")
     log = MetricsLog(run_dir, keep_up_to_step=start - 1, enabled=dist_info.is_main)
 
     bar = tqdm(range(start, cfg.steps), desc="PPO", dynamic_ncols=True, disable=not dist_info.is_main)
@@ -299,6 +307,7 @@ def main(cfg: Config) -> dict:
         with open(os.path.join(run_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
         print_summary(summary, run_dir)
+    fsdp_utils.close_distributed()
     return summary
 
 

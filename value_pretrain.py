@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from critic import assert_finite, response_values
 from data import sample_prompts, stream_seed
-from fsdp_utils import export_hf_checkpoint
+from fsdp_utils import export_hf_checkpoint, reduce_metrics
 from gae import compute_gae
 from ppo import explained_variance, micro_batched_forward, update_model, value_loss
 from reward import score_rollout
@@ -69,13 +69,12 @@ def pretrain_value(cfg, critic, critic_optimizer, engine, tokenizer, records, gr
         metrics = update_model(cfg, critic, critic_optimizer, batch, rows, critic_loss,
                                seed=stream_seed(cfg.seed, "value_pretrain/shuffle", step), prefix="critic")
         assert_finite(critic, "critic")
-        row = {
-            "step": step,
-            "value_loss": metrics["critic/vf_loss"],
+        # Over all ranks (vf_loss already is), so that every rank takes the same stopping decision.
+        row = {"step": step, "value_loss": metrics["critic/vf_loss"]} | reduce_metrics({
             "explained_variance": explained_variance(values, returns, batch.response_mask).item(),
             "reward_mean": scores.mean().item(),
             "response_length": batch.lengths.float().mean().item(),
-        }
+        })
         history.append(row)
         bar.set_postfix(loss=f"{row['value_loss']:.4f}", ev=f"{row['explained_variance']:.3f}")
         if plateaued(history, cfg.plateau_window, cfg.plateau_rel_tol, cfg.plateau_ev_tol):

@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from dist_workers.common import run_torchrun, tiny_actor
+import fsdp_utils
 from fsdp_utils import export_hf_checkpoint, iter_full_weights, shard_model
 
 # fp32 on CPU: the sharded step reorders sums (reduce-scatter), nothing else differs.
@@ -30,6 +31,7 @@ def fsdp_run(tmp_path_factory):
 @pytest.mark.parametrize("model", ["actor", "critic"])
 def test_fsdp_step_on_two_ranks_matches_one_process(fsdp_run, model):
     r = fsdp_run[model]
+    assert fsdp_run[model + "_sharded_after_no_grad_forward"]  # the optimizer sees the real shards
     assert r["sharded_loss"] == pytest.approx(r["single_loss"], rel=LOSS_RTOL)
     assert r["grad_max_diff"] <= GRAD_ATOL  # gradients are summed, not averaged, over ranks
     assert r["weight_max_diff"] <= WEIGHT_ATOL
@@ -42,6 +44,13 @@ def test_sharded_checkpoint_resumes_to_identical_weights_and_optimizer_state(fsd
     assert r["extra_step"] == 1 and r["optimizer_steps"] == [1.0]
     assert r["weight_max_diff"] == 0.0 and r["exp_avg_sq_max_diff"] == 0.0
     assert r["next_step_max_diff"] == 0.0  # and the run continues exactly as if never stopped
+
+
+@pytest.mark.slow
+def test_whitening_and_metrics_cover_every_ranks_rows(fsdp_run):
+    r = fsdp_run["stats"]
+    assert r["whiten_max_diff"] <= 1e-5  # global mean and std, not each rank's own
+    assert r["reduced"] == {"mean": 0.5, "count": 2.0, "max": 10.0}
 
 
 @pytest.mark.slow
@@ -80,6 +89,34 @@ def test_export_hf_checkpoint_single_process_round_trips(tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
     for name, tensor in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
+
+
+def test_a_save_killed_between_its_renames_resumes_from_the_newest_complete_checkpoint(tmp_path, monkeypatch):
+    _, model = tiny_actor()
+    models, optimizers = {"actor": model}, {"actor": torch.optim.AdamW(model.parameters())}
+    path = str(tmp_path / "checkpoint")
+    assert fsdp_utils.latest_checkpoint(path) is None
+    fsdp_utils.save_checkpoint(path, models, optimizers, {"step": 1})
+    real_replace, calls = os.replace, []
+
+    def killed_after_first_rename(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:  # checkpoint -> checkpoint.old happened; tmp -> checkpoint did not
+            raise KeyboardInterrupt
+        real_replace(src, dst)
+
+    monkeypatch.setattr(fsdp_utils.os, "replace", killed_after_first_rename)
+    with pytest.raises(KeyboardInterrupt):
+        fsdp_utils.save_checkpoint(path, models, optimizers, {"step": 2})
+    monkeypatch.undo()
+    assert not os.path.exists(path)
+    assert fsdp_utils.latest_checkpoint(path) == path + ".tmp"  # step 2, complete
+    assert fsdp_utils.load_checkpoint(path + ".tmp", models, optimizers)["step"] == 2
+    os.remove(os.path.join(path + ".tmp", "extra.pt"))  # as if killed while writing step 2
+    assert fsdp_utils.latest_checkpoint(path) == path + ".old"
+    fsdp_utils.save_checkpoint(path, models, optimizers, {"step": 3})  # and the next save cleans up
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint"]
+    assert fsdp_utils.load_checkpoint(fsdp_utils.latest_checkpoint(path), models, optimizers)["step"] == 3
 
 
 def test_bucket_size_must_be_positive():

@@ -130,6 +130,19 @@ def test_bad_config_values_fail_at_start_naming_the_field(flag, value):
         config.parse_config([flag, value])
 
 
+def test_batch_must_split_evenly_over_ranks_and_mini_batches(monkeypatch):
+    """Uneven shares would run different numbers of micro-batches per rank: collectives out of step."""
+    flags = ["--prompts-per-step", "6", "--samples-per-prompt", "2", "--num-minibatches", "3"]
+    assert config.parse_config(flags).num_minibatches == 3  # 12 rows, 4 per mini-batch
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(SystemExit, match="--prompts-per-step = 6 .*multiple of the world size, 4"):
+        config.parse_config(flags)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # 6 rows per rank: 3 mini-batches of 2
+    assert config.parse_config(flags).prompts_per_step == 6
+    with pytest.raises(SystemExit, match="--num-minibatches = 4 .*divide the 6 rows"):
+        config.parse_config([*flags, "--num-minibatches", "4"])
+
+
 def test_grpo_needs_two_samples_per_prompt():
     with pytest.raises(SystemExit, match="--samples-per-prompt"):
         config.parse_config(["--estimator", "grpo", "--samples-per-prompt", "1"])
@@ -167,12 +180,34 @@ def test_run_killed_mid_way_resumes_to_the_same_final_metrics(out_dir, sft):
                 assert rb[key] == pytest.approx(value, rel=1e-5, abs=1e-6, nan_ok=True), (ra["step"], key)
 
 
+def test_resumed_metrics_log_replaces_the_steps_logged_after_the_checkpoint(tmp_path):
+    """A run killed after logging step 3 but before saving it resumes from step 2's checkpoint:
+    step 3 is logged again, and both metrics.jsonl and TensorBoard show it once, with new values."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    killed = train.MetricsLog(str(tmp_path), keep_up_to_step=-1, enabled=True)
+    for step in range(4):
+        killed.write(step, {"x": step})
+    time.sleep(1.1)  # event files are named by the second they were opened
+    resumed = train.MetricsLog(str(tmp_path), keep_up_to_step=2, enabled=True)
+    for step in range(3, 5):
+        resumed.write(step, {"x": 100 + step})
+    expected = [(0, 0), (1, 1), (2, 2), (3, 103), (4, 104)]
+    assert [(r["step"], r["x"]) for r in read_metrics(tmp_path)] == expected
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("x")] == expected
+
+
 @pytest.mark.slow
-def test_whole_pipeline_runs_under_torchrun_with_fsdp2_and_vllm(tmp_path):
-    """Issue 5's end-to-end check: 2 ranks (gloo), FSDP2 actor and critic, vLLM tensor parallel 2."""
+@pytest.mark.parametrize("rollout", [["--rollout", "vllm", "--tensor-parallel-size", "2"], ["--rollout", "hf"]],
+                         ids=["vllm", "hf"])
+def test_whole_pipeline_runs_under_torchrun_with_fsdp2(tmp_path, rollout):
+    """Issue 5's end-to-end check: 2 ranks (gloo), FSDP2 actor and critic, vLLM tensor parallel 2
+    or HF generate on the sharded actor (whose no-grad forwards come before the optimizers)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(ROOT / "train.py"),
            "--out-dir", str(tmp_path), *MICRO, "--sft-steps", "4", "--steps", "2", "--value-pretrain-steps", "1",
-           "--rollout", "vllm", "--tensor-parallel-size", "2"]
+           *rollout]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     run_dir = tmp_path / "tiny__sft__seed0"

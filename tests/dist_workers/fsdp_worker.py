@@ -5,6 +5,7 @@
 2. A sharded checkpoint written on both ranks resumes to the same weights and optimizer state,
    and the next step from it matches the next step of the run that wrote it.
 3. `export_hf_checkpoint` of the sharded actor loads in Hugging Face as the same weights.
+4. Advantage whitening and logged metrics over the two ranks' rows equal those of one process.
 Each rank writes rank<r>.json into argv[1]; the test asserts on the numbers.
 """
 
@@ -17,8 +18,9 @@ from transformers import AutoModelForCausalLM
 
 from common import tiny_actor, write_result
 from critic import load_value_model
-from fsdp_utils import (all_reduce_sum, export_hf_checkpoint, init_distributed, iter_full_weights,
-                        load_checkpoint, save_checkpoint, shard_model)
+from fsdp_utils import (all_reduce_sum, close_distributed, export_hf_checkpoint, init_distributed,
+                        iter_full_weights, load_checkpoint, reduce_metrics, save_checkpoint, shard_model)
+from ppo import masked_whiten
 
 out_dir = sys.argv[1]
 torch.set_num_threads(1)
@@ -95,6 +97,9 @@ for name, build in (("actor", actor), ("critic", critic)):
     single_opt = optimizer(single)
     single_loss = step(single, single_opt, [0, 1, 2, 3], sharded=False)
     sharded = shard_model(build(), activation_checkpointing=True)
+    with torch.no_grad():  # as train.py evaluates pi_SFT before it builds the optimizers
+        sharded(input_ids=ids[mine], attention_mask=mask[mine])
+    result[name + "_sharded_after_no_grad_forward"] = all(isinstance(p, DTensor) for p in sharded.parameters())
     sharded_opt = optimizer(sharded)
     sharded_loss = step(sharded, sharded_opt, mine)
     result[name] = {
@@ -137,4 +142,15 @@ if info.is_main:
         "weight_max_diff": max_diff(expected, loaded.state_dict()),
         "tied": loaded.lm_head.weight is loaded.model.embed_tokens.weight,
     }
+
+# 4. Statistics over ranks: whitening and logged metrics see every rank's rows, as one process does.
+x = torch.randn(4, 12, generator=torch.Generator().manual_seed(2))
+valid = x[mask.bool()]
+whole_batch = (x - valid.mean()) / valid.std() * mask  # Bessel-corrected, over all four rows
+result["stats"] = {
+    "whiten_max_diff": (masked_whiten(x[mine], mask[mine]) - whole_batch[mine]).abs().max().item(),
+    "reduced": reduce_metrics({"mean": float(info.rank), "count": 1.0, "max": 10.0 * info.rank},
+                              sums=("count",), maxes=("max",)),
+}
 write_result(out_dir, info.rank, result)
+close_distributed()
