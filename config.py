@@ -6,6 +6,7 @@ the parser that checks every value at start. The ablation switches of the paper 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Literal
 
@@ -163,6 +164,7 @@ class Config:
         rows and of equal mini-batches: ranks running different numbers of micro-batches would
         call FSDP's collectives out of step (a crash on gloo, a hang on NCCL)."""
         rows_per_rank = self.prompts_per_step // world_size * self.samples_per_prompt
+        positive = lambda x: math.isfinite(x) and x > 0  # noqa: E731 (rejects NaN and inf)
         checks = {
             "lam_actor": 0.0 <= self.lam_actor <= 1.0,
             "lam_critic": 0.0 <= self.lam_critic <= 1.0,
@@ -175,30 +177,47 @@ class Config:
             "ppo_epochs": self.ppo_epochs >= 1,
             "num_minibatches": 1 <= self.num_minibatches and rows_per_rank % self.num_minibatches == 0,
             "micro_batch_size": self.micro_batch_size >= 1,
-            "actor_lr": self.actor_lr > 0,
-            "critic_lr": self.critic_lr > 0,
+            "actor_lr": positive(self.actor_lr),
+            "critic_lr": positive(self.critic_lr),
+            "orm_lr": positive(self.orm_lr),
+            "lr_warmup_steps": self.lr_warmup_steps >= 0,
             "clip_low": 0.0 <= self.clip_low < 1.0,
             "clip_high": self.clip_high >= 0.0,
             "dual_clip": self.dual_clip is None or self.dual_clip > 1.0,
             "value_clip": self.value_clip is None or self.value_clip > 0,
             "max_grad_norm": self.max_grad_norm > 0,
             "kl_coef": self.kl_coef >= 0,
+            "entropy_coef": self.entropy_coef >= 0,
             "max_new_tokens": self.max_new_tokens >= 1,
             "temperature": self.temperature > 0,
             "top_p": 0.0 < self.top_p <= 1.0,
+            "data": self.data is None or (self.model is not None and os.path.isfile(self.data)),
+            "max_prompt_tokens": self.max_prompt_tokens >= 1,
+            "task_train_size": self.task_train_size >= 1,
+            "task_eval_size": self.task_eval_size >= 1,
+            "tensor_parallel_size": self.tensor_parallel_size >= 1 and world_size % self.tensor_parallel_size == 0,
+            "gpu_memory_utilization": 0.0 < self.gpu_memory_utilization <= 1.0,
+            "orm_batches": self.orm_batches >= 1,
+            "orm_steps": self.orm_steps >= 1,
+            "plateau_window": self.plateau_window >= 1,
+            "grader_workers": self.grader_workers >= 1,
             "eval_samples": self.eval_samples >= 1,
             "eval_fraction": 0.0 < self.eval_fraction < 1.0,
             "save_every": self.save_every >= 1,
             "threads": self.threads >= 1,
             "sft_steps": self.sft_steps is None or self.sft_steps >= 1,
             "grader_timeout_s": self.grader_timeout_s > 0,
-            "run_name": self.run_name is None or (bool(self.run_name) and os.sep not in self.run_name),
+            # A directory of its own under out_dir; _shared holds the caches (pi_SFT, ORM).
+            "run_name": self.run_name is None or (self.run_name not in ("", ".", "..", "_shared")
+                                                  and os.sep not in self.run_name),
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
             name = bad[0]
             hint = {"prompts_per_step": f" (must be a multiple of the world size, {world_size})",
-                    "num_minibatches": f" (must divide the {rows_per_rank} rows each rank gets a step)"}
+                    "num_minibatches": f" (must divide the {rows_per_rank} rows each rank gets a step)",
+                    "tensor_parallel_size": f" (must divide the world size, {world_size}; run under torchrun)",
+                    "data": " (no such file, or no --model: the built-in pi_SFT knows only the built-in task)"}
             raise ValueError(f"invalid config: --{name.replace('_', '-')} = {getattr(self, name)!r}"
                              f"{hint.get(name, '')}")
 
@@ -216,6 +235,24 @@ PRESETS = {
 }
 
 
+def check_settings(where: str, stored: dict, wanted: dict, ignore=(), remedy: str = "delete it") -> None:
+    """Stop when something saved on disk (a run directory, a cached model) was made with other
+    settings than `wanted`: reusing it would silently mix two experiments. Keys in `ignore` may
+    differ; out_dir compares as a path."""
+    same_dir = lambda a, b: isinstance(a, str) and os.path.realpath(a) == os.path.realpath(b)  # noqa: E731
+    diff = sorted(k for k, v in wanted.items() if k not in ignore
+                  and not (stored.get(k) == v or k == "out_dir" and same_dir(stored.get(k), v)))
+    if diff:
+        shown = ", ".join(f"{k} {stored.get(k)!r} -> {wanted[k]!r}" for k in diff[:4])
+        more = ", ..." if len(diff) > 4 else ""
+        raise SystemExit(f"error: {where} was made with other settings ({shown}{more}); {remedy}")
+
+
+def world_size(cfg: Config) -> int:
+    """torchrun's WORLD_SIZE; one process without torchrun, except that --plan then sizes 16 GPUs."""
+    return int(os.environ.get("WORLD_SIZE", 16 if cfg.plan else 1))
+
+
 def parse_config(argv: list[str], description: str | None = None) -> Config:
     """`--preset NAME` chooses the defaults; every other flag overrides one field; `description`
     heads `--help`. A bad value exits with a message naming the flag."""
@@ -229,7 +266,7 @@ def parse_config(argv: list[str], description: str | None = None) -> Config:
         raise SystemExit(f"error: --preset must be one of {sorted(PRESETS)}, got {preset!r}")
     cfg = tyro.cli(Config, default=PRESETS[preset], args=argv, description=description)
     try:
-        cfg.validate(world_size=int(os.environ.get("WORLD_SIZE", 1)))  # set by torchrun
+        cfg.validate(world_size=world_size(cfg))
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
     if cfg.run_name is None:

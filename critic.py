@@ -51,11 +51,11 @@ def response_values(model, batch: RolloutBatch) -> torch.Tensor:
     return values * batch.response_mask
 
 
-def assert_finite(model, name: str) -> None:
-    """Stop with a clear message when a model's weights hold NaN or inf; under torchrun every
-    rank stops (a rank sees only its shards, and one rank leaving alone would hang the others)."""
-    local = {n: p.to_local() if isinstance(p, DTensor) else p for n, p in model.named_parameters()}
-    bad = [n for n, p in local.items() if not torch.isfinite(p).all()]
+def assert_finite(named_tensors, what: str) -> None:
+    """Stop with a clear message, naming the first bad tensor, when any of (name, tensor) holds
+    NaN or inf: a diverged model's parameters or outputs. Under torchrun every rank stops (a rank
+    sees only its shards, and one rank leaving alone would hang the others)."""
+    local = [(n, t.to_local() if isinstance(t, DTensor) else t) for n, t in named_tensors]
+    bad = [n for n, t in local if not torch.isfinite(t.detach()).all()]
     if reduce_metrics({"bad": len(bad)}, sums=("bad",))["bad"] > 0:
-        where = f"parameter {bad[0]}" if bad else "a parameter shard on another rank"
-        raise FloatingPointError(f"{name}: {where} holds NaN or inf")
+        raise FloatingPointError(f"{what}: {bad[0] if bad else 'a tensor on another rank'} holds NaN or inf")

@@ -28,8 +28,8 @@ class LoadStats:
     dropped_too_long: int = 0  # prompts over max_prompt_tokens
 
 
-class _BadRecord(ValueError):
-    pass
+class DataError(ValueError):
+    """A data file, or a record in it, that cannot be used; the message says where and why."""
 
 
 def encode_prompt(tokenizer, prompt: str) -> list[int]:
@@ -46,43 +46,53 @@ def encode_prompt(tokenizer, prompt: str) -> list[int]:
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, object]]:
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with path.open("rb") as f:  # decoded line by line: one bad line is one bad record
+        for lineno, raw in enumerate(f, start=1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield where, DataError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})")
+                continue
             if not line.strip():
                 continue  # blank lines (a trailing newline) are not records
-            where = f"{path}:{lineno}"
             try:
                 yield where, json.loads(line)
             except json.JSONDecodeError as e:
-                yield where, _BadRecord(f"{where}: malformed JSON ({e.msg}, column {e.colno})")
+                yield where, DataError(f"{where}: malformed JSON ({e.msg}, column {e.colno})")
 
 
 def _parquet_rows(path: Path, keys: tuple[str, str]) -> Iterator[tuple[str, object]]:
     import pyarrow.parquet as pq
 
-    table = pq.read_table(path)
+    import pyarrow as pa
+
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"{path}: not a readable Parquet file ({e})") from None
     missing = [k for k in keys if k not in table.column_names]
     if missing:  # a whole-file problem: nothing to skip line by line
-        raise ValueError(f"{path}: no column {missing[0]!r} (columns: {table.column_names})")
+        raise DataError(f"{path}: no column {missing[0]!r} (columns: {table.column_names})")
     for row, record in enumerate(table.select(list(keys)).to_pylist(), start=1):
         yield f"{path}: row {row}", record
 
 
 def _check(where: str, record: object, prompt_key: str, answer_key: str) -> tuple[str, str]:
-    """(prompt, answer) of one raw record, or _BadRecord naming `where` and the fault."""
-    if isinstance(record, _BadRecord):
+    """(prompt, answer) of one raw record, or DataError naming `where` and the fault."""
+    if isinstance(record, DataError):
         raise record
     if not isinstance(record, dict):
-        raise _BadRecord(f"{where}: expected an object, got {type(record).__name__}")
+        raise DataError(f"{where}: expected an object, got {type(record).__name__}")
     for key in (prompt_key, answer_key):
         if record.get(key) is None:
-            raise _BadRecord(f"{where}: missing field {key!r}")
+            raise DataError(f"{where}: missing field {key!r}")
     prompt, answer = record[prompt_key], record[answer_key]
     if not isinstance(prompt, str) or not prompt.strip():
-        raise _BadRecord(f"{where}: empty or non-text prompt in field {prompt_key!r}")
+        raise DataError(f"{where}: empty or non-text prompt in field {prompt_key!r}")
     # Numeric answers are common in maths data (42, 0.5); they are graded as text anyway.
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or not str(answer).strip():
-        raise _BadRecord(f"{where}: empty or non-text answer in field {answer_key!r}")
+        raise DataError(f"{where}: empty or non-text answer in field {answer_key!r}")
     return prompt, str(answer)
 
 
@@ -101,20 +111,20 @@ def load_records(
     if max_prompt_tokens is not None and max_prompt_tokens < 1:
         raise ValueError(f"load_records: max_prompt_tokens must be >= 1, got {max_prompt_tokens}")
     if not path.is_file():
-        raise FileNotFoundError(f"load_records: no file {path}")
+        raise DataError(f"load_records: no file {path}")
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
         rows = _jsonl_rows(path)
     elif suffix == ".parquet":
         rows = _parquet_rows(path, (prompt_key, answer_key))
     else:
-        raise ValueError(f"load_records: {path}: unknown format {suffix!r} (use .jsonl or .parquet)")
+        raise DataError(f"load_records: {path}: unknown format {suffix!r} (use .jsonl or .parquet)")
 
     records, stats = [], LoadStats()
     for where, raw in rows:
         try:
             prompt, answer = _check(where, raw, prompt_key, answer_key)
-        except _BadRecord:
+        except DataError:
             if on_error == "raise":
                 raise
             stats.skipped_malformed += 1
@@ -175,8 +185,12 @@ def prepare_data(cfg, tokenizer) -> tuple[list[dict], list[dict]]:
     print(f"data: {stats.loaded} records from {cfg.data} ({stats.skipped_malformed} malformed skipped, "
           f"{stats.dropped_too_long} over {cfg.max_prompt_tokens} tokens dropped)")
     if not records:
-        raise ValueError(f"--data {cfg.data}: no usable records")
-    return train_eval_split(records, cfg.eval_fraction, seed=0)
+        raise DataError(f"--data {cfg.data}: no usable records")
+    train, held_out = train_eval_split(records, cfg.eval_fraction, seed=0)
+    if not train or not held_out:
+        raise DataError(f"--data {cfg.data}: {len(records)} records leave {len(train)} for training and "
+                        f"{len(held_out)} held out at --eval-fraction {cfg.eval_fraction}; both need at least one")
+    return train, held_out
 
 
 def stream_seed(seed: int, stream: str, step: int) -> int:

@@ -32,6 +32,11 @@ _KL_KINDS = ("k1", "k2", "k3")
 # --- input checks and masked statistics (the one home of these helpers) ------------------------
 
 
+class NonFiniteError(ValueError, FloatingPointError):
+    """A tensor holds NaN or inf: a bad input (ValueError) and, mid-training, the sign of a diverged
+    model (FloatingPointError, which train.py reports with the checkpoint to resume from)."""
+
+
 def check_masked_inputs(mask, right_padded=False, **tensors):
     """Raise ValueError naming the argument if a tensor's shape differs from mask's, the mask is
     not binary (or, with right_padded, not ones-then-zeros in every row), or a tensor holds
@@ -49,7 +54,7 @@ def check_masked_inputs(mask, right_padded=False, **tensors):
         # NaN and inf propagate through a sum, so one scalar tells; only a finite-but-overflowing
         # sum needs the elementwise look.
         if not torch.isfinite(x.detach().sum()) and not torch.isfinite(x).all():
-            raise ValueError(f"{name} contains NaN or inf")
+            raise NonFiniteError(f"{name} contains NaN or inf")
     if mask.numel() == 0:
         return
     m = mask.double() if mask.dtype == torch.float64 else mask.float()  # exact integer sums

@@ -14,6 +14,8 @@ torch is imported inside the ORM functions only: grader workers import this modu
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import math
 import os
@@ -22,7 +24,6 @@ import subprocess
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass
 from functools import lru_cache
 from multiprocessing.connection import Connection, Pipe, wait
 
@@ -110,7 +111,7 @@ def rule_reward(response: str, ground_truth: str) -> float:
         return -1.0
 
 
-@dataclass
+@dataclasses.dataclass
 class GradeResult:
     rewards: list[float]  # +1 / -1 per response, in input order
     num_timeouts: int  # items whose worker was killed at the timeout (or died) -> scored -1
@@ -121,16 +122,13 @@ def _worker_main(fd: int) -> None:
     """Grader worker: warm up, say "ready", then answer [(idx, answer, gold), ...] item by item."""
     conn = Connection(fd)
     _math_equal("\\frac{1}{2}", "0.5")  # first call builds math-verify's grammar: do it before work
-    conn.send("ready")
-    while True:
-        try:
-            chunk = conn.recv()
-        except EOFError:  # the parent is gone
-            return
-        if chunk is None:
-            return
-        for idx, answer, gold in chunk:
-            conn.send((idx, _math_equal(answer, gold)))
+    try:
+        conn.send("ready")
+        while (chunk := conn.recv()) is not None:
+            for idx, answer, gold in chunk:
+                conn.send((idx, _math_equal(answer, gold)))
+    except (EOFError, OSError):  # the parent is gone (it stopped, or failed): so is this worker,
+        return  # quietly, so that the parent's own error stays the last thing printed
 
 
 class _Worker:
@@ -365,6 +363,12 @@ def score_rollout(batch, texts: list[str], prompts: list[dict], grader: Grader, 
     return scores, token_rewards, counts
 
 
+# What the cached ORM depends on. It is shared by runs of every seed, so it samples with seed 0
+# whichever run trains it: the same ORM whatever order the runs come in.
+ORM_SETTINGS = ("orm_batches", "orm_steps", "orm_lr", "prompts_per_step", "samples_per_prompt",
+                "max_new_tokens", "temperature", "top_p")
+
+
 def prepare_orm(cfg, sft_path: str, engine, tokenizer, records: list[dict], grader: Grader) -> str:
     """The critic's initial weights: pi_SFT itself (`--critic-init sft`), or an ORM trained on
     pi_SFT's graded samples (`rm`), cached in <out_dir>/_shared/orm and reused when it exists."""
@@ -372,25 +376,36 @@ def prepare_orm(cfg, sft_path: str, engine, tokenizer, records: list[dict], grad
         return sft_path
     from tqdm import tqdm
 
+    import torch.distributed as dist
+
+    from config import check_settings
     from critic import load_value_model
     from data import sample_prompts, stream_seed
     from fsdp_utils import export_hf_checkpoint
     from rollout import decode_responses
 
     path = os.path.join(cfg.out_dir, "_shared", "orm" if cfg.model is None else f"orm-{cfg.run_name}")
+    settings = {k: getattr(cfg, k) for k in ORM_SETTINGS}
     if os.path.exists(path):
+        saved = os.path.join(path, "orm_settings.json")
+        if os.path.exists(saved):  # a cache from before the settings were saved is taken as it is
+            with open(saved) as f:
+                check_settings(path, json.load(f), settings, remedy="delete it to train a new one")
         return path
     batches, labels = [], []
     for i in tqdm(range(cfg.orm_batches), desc="ORM data", dynamic_ncols=True, leave=False):
-        prompts = sample_prompts(records, cfg, i, stream="orm")
+        prompts = sample_prompts(records, dataclasses.replace(cfg, seed=0), i, stream="orm")
         batch = engine.generate([p["prompt_ids"] for p in prompts], cfg.max_new_tokens,
-                                cfg.temperature, cfg.top_p, seed=stream_seed(cfg.seed, "orm/sampling", i))
+                                cfg.temperature, cfg.top_p, seed=stream_seed(0, "orm/sampling", i))
         scores, _, _ = score_rollout(batch, decode_responses(tokenizer, batch), prompts, grader, cfg)
         batches.append(batch)
         labels.append(scores)
     model = load_value_model(sft_path)
     history = train_orm(model, batches, labels, steps=cfg.orm_steps, lr=cfg.orm_lr)
     export_hf_checkpoint(model, tokenizer, path)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        with open(os.path.join(path, "orm_settings.json"), "w") as f:
+            json.dump(settings, f, indent=2)
     last = history[-1]
     tqdm.write(f"ORM: {cfg.orm_steps} steps on {sum(map(len, batches))} graded samples, "
                f"loss {last['orm/loss']:.3f}, sign accuracy {last['orm/sign_accuracy']:.2f} -> {path}")

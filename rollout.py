@@ -134,19 +134,24 @@ class HFRollout:
         with torch.random.fork_rng(devices=[]):
             if seed is not None:
                 torch.manual_seed(seed)
-            out = self.model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                do_sample=not greedy,
-                temperature=None if greedy else temperature,
-                top_p=None if greedy else top_p,
-                top_k=None,
-                max_new_tokens=max_new_tokens,
-                eos_token_id=self.eos_id,
-                pad_token_id=self.pad_id,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
+            try:
+                out = self.model.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    do_sample=not greedy,
+                    temperature=None if greedy else temperature,
+                    top_p=None if greedy else top_p,
+                    top_k=None,
+                    max_new_tokens=max_new_tokens,
+                    eos_token_id=self.eos_id,
+                    pad_token_id=self.pad_id,
+                    output_logits=True,
+                    return_dict_in_generate=True,
+                )
+            except RuntimeError as err:  # torch.multinomial on a diverged model's outputs
+                if "probability tensor contains" not in str(err):
+                    raise
+                raise FloatingPointError("generate: the model's next-token probabilities hold NaN or inf") from None
         self.model.train(was_training)
         response = out.sequences[:, ids.shape[1] :]
         # Tokens up to and including the first EOS are the response; `generate` pads after it.

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import task
+from config import check_settings
 from reward import rule_reward
 from rollout import HFRollout, decode_responses
 
@@ -173,15 +174,19 @@ def prepare_sft(cfg) -> str:
             raise FileNotFoundError(f"--model {cfg.model}: no Hugging Face checkpoint (config.json) there")
         return cfg.model
     path = Path(cfg.out_dir) / "_shared" / "sft"
+    steps = cfg.sft_steps or SFTConfig.steps
     if (path / "config.json").exists():
+        if (path / "sft_summary.json").exists():  # a cache from before the summary is taken as it is
+            saved = json.loads((path / "sft_summary.json").read_text())
+            check_settings(str(path), {"sft_steps": saved["steps"]}, {"sft_steps": steps},
+                           remedy="delete it to train a new one")
         print(f"SFT: reusing {path}")
         return str(path)
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     if not distributed or torch.distributed.get_rank() == 0:
         tmp = path.with_name("sft.partial")  # renamed when complete: a killed run leaves no half cache
         shutil.rmtree(tmp, ignore_errors=True)
-        steps = {"steps": cfg.sft_steps} if cfg.sft_steps else {}
-        summary = train_sft(SFTConfig(out_dir=str(tmp), **steps))
+        summary = train_sft(SFTConfig(out_dir=str(tmp), steps=steps))
         (tmp / "sft_summary.json").write_text(json.dumps({**summary, "out_dir": str(path)}, indent=2))
         tmp.rename(path)
     if distributed:

@@ -22,13 +22,14 @@ import sys
 import time
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import fsdp_utils
-from config import Config, parse_config
+from config import Config, check_settings, parse_config, world_size
 from critic import assert_finite, load_value_model, response_values
-from data import prepare_data, sample_prompts, stream_seed
+from data import DataError, prepare_data, sample_prompts, stream_seed
 from evaluate import evaluate
 from gae import decoupled_gae, grpo_advantages, length_adaptive_lambda
 from ppo import aggregate_loss, entropy_from_logits, explained_variance, kl_penalty, masked_mean
@@ -103,6 +104,7 @@ def ppo_step(cfg, step, models, optimizers, engine, tokenizer, records, grader, 
     if critic is not None:
         rows["old_values"] = values = forward(functools.partial(response_values, critic))
     timings["forward"] = time.perf_counter() - t0
+    assert_finite(rows.items(), "forward before the update")
 
     if critic is None:  # GRPO: the group-normalised outcome, no critic
         advantages = grpo_advantages(scores, mask, cfg.samples_per_prompt)
@@ -152,7 +154,7 @@ def ppo_step(cfg, step, models, optimizers, engine, tokenizer, records, grader, 
     )
     for key in ("actor/pg_loss", "critic/vf_loss"):
         if key in metrics and not math.isfinite(metrics[key]):
-            raise FloatingPointError(f"step {step}: {key} is {metrics[key]}")
+            raise FloatingPointError(f"{key} is {metrics[key]}")
     return metrics
 
 
@@ -190,7 +192,7 @@ class MetricsLog:
         rows = []
         if os.path.exists(self.path):
             with open(self.path) as f:
-                rows = [line for line in f if json.loads(line)["step"] <= keep_up_to_step]
+                rows = [line for line in f if _logged_step(line) <= keep_up_to_step]
         with open(self.path, "w") as f:
             f.writelines(rows)
         self.tb = SummaryWriter(run_dir, purge_step=keep_up_to_step + 1)  # drop the replayed steps
@@ -205,6 +207,14 @@ class MetricsLog:
         self.tb.flush()
 
 
+def _logged_step(line: str) -> float:
+    """The step of a metrics.jsonl line; inf for a line a kill cut short (dropped on resume)."""
+    try:
+        return json.loads(line)["step"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return math.inf
+
+
 def save(cfg, run_dir, step, models, optimizers, schedulers):
     fsdp_utils.save_checkpoint(
         os.path.join(run_dir, "checkpoint"), models, optimizers,
@@ -213,15 +223,27 @@ def save(cfg, run_dir, step, models, optimizers, schedulers):
     )
 
 
+def check_run_dir(cfg: Config, run_dir: str) -> None:
+    """A run directory holds one experiment: its checkpoint, value-pretrained critic and metrics
+    belong to the settings in its config.json. Rerunning or resuming it may change only the
+    length of the run and how it runs (threads, checkpoint interval, grader workers)."""
+    saved = os.path.join(run_dir, "config.json")
+    if os.path.exists(saved):
+        with open(saved) as f:
+            check_settings(run_dir, json.load(f), dataclasses.asdict(cfg),
+                           ignore=("resume", "threads", "steps", "save_every", "grader_workers", "grader_timeout_s"),
+                           remedy="choose another --run-name or delete it")
+
+
 def print_plan(cfg: Config) -> None:
     """--plan: per-GPU memory of this config at torchrun's world size (16 when not under torchrun)."""
     import memory_plan
 
     shape = memory_plan.QWEN25_32B  # --plan without --model: the paper's model
     if cfg.model is not None:
-        shape = memory_plan.ModelShape.from_config(AutoConfig.from_pretrained(cfg.model))
+        shape = memory_plan.ModelShape.from_config(AutoConfig.from_pretrained(prepare_sft(cfg)))  # checks --model
     print(memory_plan.plan(
-        shape, int(os.environ.get("WORLD_SIZE", 16)),
+        shape, world_size(cfg),
         tensor_parallel_size=cfg.tensor_parallel_size,
         micro_batch_tokens=cfg.micro_batch_size * (cfg.max_prompt_tokens + cfg.max_new_tokens),
         gpu_memory_utilization=cfg.gpu_memory_utilization, mixed_precision=cfg.mixed_precision,
@@ -237,6 +259,7 @@ def main(cfg: Config) -> dict:
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     run_dir = os.path.join(cfg.out_dir, cfg.run_name)
+    check_run_dir(cfg, run_dir)
     os.makedirs(run_dir, exist_ok=True)
     if dist_info.is_main:
         with open(os.path.join(run_dir, "config.json"), "w") as f:
@@ -273,7 +296,12 @@ def main(cfg: Config) -> dict:
     ckpt = os.path.join(run_dir, "checkpoint")
     found = fsdp_utils.latest_checkpoint(ckpt)
     if cfg.resume and found:
-        extra = fsdp_utils.load_checkpoint(found, models, optimizers)
+        try:
+            extra = fsdp_utils.load_checkpoint(found, models, optimizers)
+        except (Exception, CheckpointException) as err:  # a truncated or foreign checkpoint fails deep in torch
+            cause = (str(err).strip().splitlines() or [""])[-1][:200]  # DCP puts each rank's traceback in str(err)
+            raise SystemExit(f"error: cannot resume from {found} ({type(err).__name__}: {cause}); "
+                             f"delete it to start over") from None
         for s, state in zip(schedulers, extra["schedulers"]):
             s.load_state_dict(state)
         start = extra["step"] + 1
@@ -289,11 +317,14 @@ def main(cfg: Config) -> dict:
         try:
             metrics = ppo_step(cfg, step, models, optimizers, engine, tokenizer, train_records, grader,
                                ref_actor)
-        except FloatingPointError as err:
-            sys.exit(f"error: {err}; stopped. Last good checkpoint: {ckpt} (resume with --resume)")
+            for name, model in models.items():
+                assert_finite(model.named_parameters(), f"{name} after the update")
+        except FloatingPointError as err:  # a diverged model: say so, and what is left to resume from
+            last = fsdp_utils.latest_checkpoint(ckpt)
+            sys.exit(f"error: PPO step {step}: {err}; stopped (a diverged model: lower the learning rates?). "
+                     + (f"Last checkpoint: {last} (--resume continues from it)" if last else "No checkpoint yet."))
         for s in schedulers:
             s.step()
-        assert_finite(models["actor"], "actor")
         engine.sync_weights(models["actor"])
         log.write(step, metrics)
         bar.set_postfix(acc=f"{metrics['reward/accuracy']:.2f}",
@@ -325,4 +356,7 @@ def print_summary(summary: dict, run_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(parse_config(sys.argv[1:], description=__doc__))
+    try:
+        main(parse_config(sys.argv[1:], description=__doc__))
+    except (DataError, FileNotFoundError, FloatingPointError) as err:  # bad input, or a diverged run
+        sys.exit(f"error: {err}")

@@ -63,12 +63,13 @@ def pretrain_value(cfg, critic, critic_optimizer, engine, tokenizer, records, gr
         texts = decode_responses(tokenizer, batch)
         scores, token_rewards, _ = score_rollout(batch, texts, prompts, grader, cfg)
         values = micro_batched_forward(functools.partial(response_values, critic), batch, cfg.micro_batch_size)
+        assert_finite([("values", values)], f"value pretraining step {step}")
         # Critic targets with lambda = 1: the Monte-Carlo return, no lambda^(T-t) decay (§3.3).
         _, returns = compute_gae(token_rewards, values, batch.response_mask, cfg.gamma, lam=1.0)
         rows = {"returns": returns, "old_values": values}
         metrics = update_model(cfg, critic, critic_optimizer, batch, rows, critic_loss,
                                seed=stream_seed(cfg.seed, "value_pretrain/shuffle", step), prefix="critic")
-        assert_finite(critic, "critic")
+        assert_finite(critic.named_parameters(), f"value pretraining step {step}, critic after the update")
         # Over all ranks (vf_loss already is), so that every rank takes the same stopping decision.
         row = {"step": step, "value_loss": metrics["critic/vf_loss"]} | reduce_metrics({
             "explained_variance": explained_variance(values, returns, batch.response_mask).item(),

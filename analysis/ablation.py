@@ -40,7 +40,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from tqdm import tqdm
 
-from config import Config, parse_config
+from config import Config, check_settings, parse_config
 
 TRAIN = Path(__file__).resolve().parents[1] / "train.py"
 
@@ -114,12 +114,8 @@ def plan_runs(args: Args, train_flags: list[str]) -> list[Run]:
             run = Run(variant, seed, flags, parse_config(flags))
             saved = run.dir / "config.json"
             if saved.is_file():
-                wanted = dataclasses.asdict(run.config)
-                stored = json.loads(saved.read_text())
-                diff = sorted(k for k in wanted if k not in ("resume", "threads") and stored.get(k) != wanted[k])
-                if diff:
-                    raise SystemExit(f"error: {run.dir} was run with other settings ({', '.join(diff)}); "
-                                     f"remove it or choose another --out-dir")
+                check_settings(str(run.dir), json.loads(saved.read_text()), dataclasses.asdict(run.config),
+                               ignore=("resume", "threads"), remedy="remove it or choose another --out-dir")
             runs.append(run)
     return runs
 

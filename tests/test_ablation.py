@@ -53,7 +53,7 @@ def test_reads_a_grid_and_reports_mean_and_sample_std(tmp_path):
 def test_a_finished_run_with_other_settings_is_refused(tmp_path):
     fake_run(tmp_path, "ppo", 0, 0.2, [100, 90])
     args = ablation.Args(out=tmp_path / "out", out_dir=str(tmp_path), variants=("ppo",), seeds=(0,), read_only=True)
-    with pytest.raises(SystemExit, match="ablation__ppo__seed0 was run with other settings .*steps"):
+    with pytest.raises(SystemExit, match="ablation__ppo__seed0 was made with other settings .*steps"):
         ablation.main(args, ["--steps", "3"])
 
 

@@ -8,7 +8,7 @@ import pytest
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from data import LoadStats, encode_prompt, load_records, sample_prompts, stream_seed, train_eval_split
+from data import DataError, LoadStats, encode_prompt, load_records, sample_prompts, stream_seed, train_eval_split
 
 TEMPLATE = ("{% for m in messages %}<u>{{ m['content'] }}{% endfor %}"
             "{% if add_generation_prompt %}<a>{% endif %}")
@@ -100,8 +100,32 @@ def test_parquet_bad_row_is_named(tmp_path):
     assert stats == LoadStats(loaded=2, skipped_malformed=1, dropped_too_long=0)
 
 
+def test_a_line_that_is_not_utf8_is_one_bad_record(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", GOOD)
+    lines = path.read_bytes().splitlines(keepends=True)
+    path.write_bytes(lines[0] + b'{"prompt": "\xff", "answer": "1"}\n' + b"".join(lines[1:]))
+    with pytest.raises(DataError, match=r"d\.jsonl:2: not UTF-8"):
+        load_records(path, char_tokenizer())
+    _, stats = load_records(path, char_tokenizer(), on_error="skip")
+    assert stats == LoadStats(loaded=3, skipped_malformed=1, dropped_too_long=0)
+
+
+def test_unreadable_parquet_and_empty_splits_are_data_errors(tmp_path):
+    from types import SimpleNamespace
+
+    from data import prepare_data
+
+    (tmp_path / "d.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(DataError, match=r"d\.parquet: not a readable Parquet file"):
+        load_records(tmp_path / "d.parquet", char_tokenizer())
+    cfg = SimpleNamespace(data=str(write_jsonl(tmp_path / "d.jsonl", GOOD)), prompt_key="prompt",
+                          answer_key="answer", max_prompt_tokens=64, skip_bad_records=False, eval_fraction=0.1)
+    with pytest.raises(DataError, match="3 records leave 3 for training and 0 held out"):
+        prepare_data(cfg, char_tokenizer())  # round(3 * 0.1) = 0 held out
+
+
 def test_bad_arguments_give_clear_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no file"):
+    with pytest.raises(DataError, match="no file"):
         load_records(tmp_path / "absent.jsonl", char_tokenizer())
     (tmp_path / "d.csv").write_text("prompt,answer\n")
     with pytest.raises(ValueError, match="unknown format"):

@@ -92,4 +92,4 @@ def test_assert_finite_names_the_bad_parameter(policy):
     with torch.no_grad():
         critic.score.weight[0, 0] = float("nan")
     with pytest.raises(FloatingPointError, match="score.weight"):
-        assert_finite(critic, "critic")
+        assert_finite(critic.named_parameters(), "critic")

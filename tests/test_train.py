@@ -1,5 +1,6 @@
 """End to end: the whole pipeline on a micro config, resume after SIGKILL, config validation."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import config
+import reward
 import train
 from reward import GradeResult
 
@@ -123,7 +125,9 @@ def test_value_pretraining_lowers_value_loss_and_raises_explained_variance(out_d
 
 @pytest.mark.parametrize("flag, value", [
     ("--lam-actor", "1.5"), ("--lam-critic", "-0.1"), ("--actor-lr", "0"), ("--top-p", "0"),
-    ("--samples-per-prompt", "0"), ("--run-name", "a/b"), ("--clip-low", "1.0"),
+    ("--samples-per-prompt", "0"), ("--run-name", "a/b"), ("--clip-low", "1.0"), ("--critic-lr", "inf"),
+    ("--task-eval-size", "0"), ("--plateau-window", "0"), ("--grader-workers", "0"), ("--orm-steps", "0"),
+    ("--run-name", "_shared"), ("--run-name", ".."), ("--tensor-parallel-size", "2"), ("--data", "absent.jsonl"),
 ])
 def test_bad_config_values_fail_at_start_naming_the_field(flag, value):
     with pytest.raises(SystemExit, match=flag):
@@ -141,6 +145,51 @@ def test_batch_must_split_evenly_over_ranks_and_mini_batches(monkeypatch):
     assert config.parse_config(flags).prompts_per_step == 6
     with pytest.raises(SystemExit, match="--num-minibatches = 4 .*divide the 6 rows"):
         config.parse_config([*flags, "--num-minibatches", "4"])
+
+
+def test_a_run_directory_or_cache_made_with_other_settings_is_not_reused(tmp_path):
+    """Rerunning or resuming a run name, or reusing the cached pi_SFT or ORM, with settings that
+    change the experiment stops at start; the length of the run may change."""
+    from reward import prepare_orm
+    from sft import prepare_sft
+
+    cfg = micro_config(tmp_path, "--run-name", "r")
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+    train.check_run_dir(micro_config(tmp_path, "--run-name", "r", "--steps", "99", "--resume"), str(tmp_path / "r"))
+    with pytest.raises(SystemExit, match=r"r was made with other settings \(lam_critic 1.0 -> 0.95\)"):
+        train.check_run_dir(micro_config(tmp_path, "--run-name", "r", "--lam-critic", "0.95"), str(tmp_path / "r"))
+
+    orm = tmp_path / "_shared" / "orm"
+    orm.mkdir(parents=True)
+    (orm / "orm_settings.json").write_text(json.dumps({k: getattr(cfg, k) for k in reward.ORM_SETTINGS}))
+    rm = micro_config(tmp_path, "--critic-init", "rm")
+    assert prepare_orm(rm, "sft", None, None, [], None) == str(orm)  # same settings: reused
+    with pytest.raises(SystemExit, match="orm was made with other settings .*orm_steps 3 -> 7"):
+        prepare_orm(micro_config(tmp_path, "--critic-init", "rm", "--orm-steps", "7"), "sft", None, None, [], None)
+
+    sft = tmp_path / "_shared" / "sft"
+    sft.mkdir()
+    (sft / "config.json").write_text("{}")
+    (sft / "sft_summary.json").write_text(json.dumps({"steps": 8}))
+    assert prepare_sft(cfg) == str(sft)
+    with pytest.raises(SystemExit, match="sft was made with other settings .*sft_steps 8 -> 9"):
+        prepare_sft(micro_config(tmp_path, "--sft-steps", "9"))
+
+
+def test_unreadable_checkpoint_and_diverged_model_stop_with_a_message(out_dir, sft):
+    train.main(micro_config(out_dir, "--run-name", "corrupt", "--steps", "1", "--value-pretrain-steps", "0"))
+    shard = next((out_dir / "corrupt" / "checkpoint").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:1000])  # a truncated file
+    with pytest.raises(SystemExit, match="cannot resume from .*corrupt/checkpoint .*delete it"):
+        train.main(micro_config(out_dir, "--run-name", "corrupt", "--steps", "2", "--value-pretrain-steps", "0",
+                                "--resume"))
+    # The critic's first mini-batch step sends it to inf: its second mini-batch's values are NaN.
+    with pytest.raises(SystemExit, match="PPO step 0: values contains NaN or inf.*No checkpoint yet"):
+        train.main(micro_config(out_dir, "--run-name", "diverged", "--critic-lr", "1e30", "--steps", "1",
+                                "--value-pretrain-steps", "0"))
+    with pytest.raises(FloatingPointError, match="values contains NaN or inf"):  # `error: ...` under __main__
+        train.main(micro_config(out_dir, "--run-name", "diverged-vp", "--critic-lr", "1e30", "--steps", "1"))
 
 
 def test_grpo_needs_two_samples_per_prompt():
