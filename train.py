@@ -223,6 +223,20 @@ def save(cfg, run_dir, step, models, optimizers, schedulers):
     )
 
 
+def evaluate_sft(cfg, engine, tokenizer, records, grader, run_dir: str, dist_info) -> dict:
+    """pi_SFT's held-out scores, computed once per run directory (a resumed 32B run would
+    otherwise sample the whole held-out set again): deterministic, like every draw here."""
+    path = os.path.join(run_dir, "eval_sft.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    scores = json.loads(json.dumps(evaluate(cfg, engine, tokenizer, records, grader, "sft")))  # as read back
+    if dist_info.is_main:
+        with open(path, "w") as f:
+            json.dump(scores, f, indent=2)
+    return scores
+
+
 def check_run_dir(cfg: Config, run_dir: str) -> None:
     """A run directory holds one experiment: its checkpoint, value-pretrained critic and metrics
     belong to the settings in its config.json. Rerunning or resuming it may change only the
@@ -272,7 +286,7 @@ def main(cfg: Config) -> dict:
     grader = Grader(num_workers=cfg.grader_workers, timeout_s=cfg.grader_timeout_s)
     models = {"actor": load_actor(cfg, sft_path, dist_info)}
     engine = build_engine(cfg, models["actor"], sft_path, tokenizer)
-    summary = {"sft": evaluate(cfg, engine, tokenizer, eval_records, grader, "sft")}
+    summary = {"sft": evaluate_sft(cfg, engine, tokenizer, eval_records, grader, run_dir, dist_info)}
 
     if cfg.estimator == "gae":  # GRPO has no critic
         critic_init = prepare_orm(cfg, sft_path, engine, tokenizer, train_records, grader)
@@ -352,7 +366,8 @@ def print_summary(summary: dict, run_dir: str) -> None:
         vp = summary["value_pretrain"]
         print(f"value pretraining: final value loss {vp['value_loss']:.4f}, "
               f"explained variance {vp['explained_variance']:.3f} after {vp['step'] + 1} steps")
-    print(f"\nwrote {run_dir}/: config.json, metrics.jsonl, TensorBoard events, checkpoint/, summary.json")
+    print(f"\nwrote {run_dir}/: config.json, metrics.jsonl, TensorBoard events, checkpoint/, eval_sft.json, "
+          f"summary.json")
 
 
 if __name__ == "__main__":

@@ -192,6 +192,14 @@ def test_unreadable_checkpoint_and_diverged_model_stop_with_a_message(out_dir, s
         train.main(micro_config(out_dir, "--run-name", "diverged-vp", "--critic-lr", "1e30", "--steps", "1"))
 
 
+def test_pi_sft_is_evaluated_once_per_run_directory(out_dir, sft):
+    cfg = micro_config(out_dir, "--run-name", "eval-once", "--steps", "0", "--value-pretrain-steps", "0")
+    first = train.main(cfg)["sft"]
+    assert json.loads((out_dir / "eval-once" / "eval_sft.json").read_text()) == first
+    (out_dir / "eval-once" / "eval_sft.json").write_text(json.dumps({**first, "pass@1": -1.0}))
+    assert train.main(cfg)["sft"]["pass@1"] == -1.0  # read back, not sampled again
+
+
 def test_grpo_needs_two_samples_per_prompt():
     with pytest.raises(SystemExit, match="--samples-per-prompt"):
         config.parse_config(["--estimator", "grpo", "--samples-per-prompt", "1"])
