@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+import torch.distributed as dist
 from tqdm import tqdm
 
 from data import stream_seed
@@ -17,23 +18,33 @@ from rollout import decode_responses
 
 
 def evaluate(cfg, engine, tokenizer, records, grader, tag: str) -> dict:
-    """Sample, grade and summarise; `tag` only labels the progress bar."""
+    """Sample, grade and summarise; `tag` only labels the progress bar. Under torchrun each rank
+    samples its share of the prompts and the results are gathered: the same summary on every rank."""
     n = cfg.eval_samples
-    flat = [r for r in records for _ in range(n)]  # each prompt n times, side by side
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    mine, counts = share_of_records(len(records), rank, world)
+    todo = [(i, c) for i, c in zip(mine, counts) for _ in range(n)]  # each prompt n times, side by side
     chunk = max(n, (cfg.prompts_per_step * cfg.samples_per_prompt) // n * n)
-    correct, lengths, truncated, texts = [], [], [], []
-    for start in tqdm(range(0, len(flat), chunk), desc=f"eval {tag}", dynamic_ncols=True, leave=False):
-        prompts = flat[start : start + chunk]
+    rows = []  # (record index, correct, length, truncated, text) of every sample that counts
+    for start in tqdm(range(0, len(todo), chunk), desc=f"eval {tag}", dynamic_ncols=True, leave=False):
+        part = todo[start : start + chunk]
+        prompts = [records[i] for i, _ in part]
         batch = engine.generate(
             [r["prompt_ids"] for r in prompts], cfg.max_new_tokens, cfg.temperature, cfg.top_p,
             seed=stream_seed(cfg.seed, "eval/sampling", start),
         )
-        chunk_texts = decode_responses(tokenizer, batch)
-        scores, _, _ = score_rollout(batch, chunk_texts, prompts, grader, cfg)
-        correct += (scores > 0).tolist()
-        lengths += batch.lengths.tolist()
-        truncated += [f == "length" for f in batch.finish_reasons]
-        texts += chunk_texts
+        texts = decode_responses(tokenizer, batch)
+        scores, _, _ = score_rollout(batch, texts, prompts, grader, cfg)
+        for j, (i, count) in enumerate(part):
+            if count:
+                rows.append((i, scores[j].item() > 0, batch.lengths[j].item(), batch.finish_reasons[j] == "length",
+                             texts[j]))
+    if dist.is_initialized():
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, rows)
+        rows = sorted((row for part in gathered for row in part), key=lambda row: row[0])  # stable
+    flat = [records[row[0]] for row in rows]
+    correct, lengths, truncated, texts = ([row[j] for row in rows] for j in range(1, 5))
 
     per_prompt = [sum(correct[i : i + n]) for i in range(0, len(correct), n)]
     result = {
@@ -56,3 +67,12 @@ def evaluate(cfg, engine, tokenizer, records, grader, tag: str) -> dict:
         for r, t, ok in zip(flat[:8], texts[:8], correct[:8])
     ]
     return result
+
+
+def share_of_records(n_records: int, rank: int, world: int) -> tuple[list[int], list[bool]]:
+    """A rank's record indices (every world-th) and whether each counts. Shares are padded to equal
+    length with record 0, whose results there are dropped: every rank must make the same number of
+    generate calls, which are collectives under torchrun."""
+    mine = list(range(rank, n_records, world))
+    padding = -(-n_records // world) - len(mine)
+    return mine + [0] * padding, [True] * len(mine) + [False] * padding

@@ -180,3 +180,16 @@ def test_sample_prompts_and_stream_seeds_depend_only_on_seed_stream_and_step():
     seeds = {stream_seed(s, name, t) for s in (0, 1) for name in ("ppo/sampling", "eval/sampling") for t in range(50)}
     assert len(seeds) == 200 and stream_seed(0, "ppo/sampling", 7) == stream_seed(0, "ppo/sampling", 7)
     assert all(0 <= s < 2**60 for s in seeds)  # fits torch.manual_seed and numpy's SeedSequence
+
+
+@pytest.mark.parametrize("n_records, world", [(5, 2), (4, 2), (1, 3), (7, 1)])
+def test_each_held_out_record_is_evaluated_once_over_equal_rank_shares(n_records, world):
+    """Under torchrun every rank makes the same number of generate calls (equal shares, padded),
+    and the samples that count cover every record exactly once."""
+    from evaluate import share_of_records
+
+    shares = [share_of_records(n_records, rank, world) for rank in range(world)]
+    assert len({len(mine) for mine, _ in shares}) == 1
+    counted = sorted(i for mine, counts in shares for i, c in zip(mine, counts) if c)
+    assert counted == list(range(n_records))
+    assert shares[0] == (list(range(0, n_records, world)), [True] * len(range(0, n_records, world)))
