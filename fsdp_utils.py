@@ -181,13 +181,23 @@ def latest_checkpoint(path: str) -> str | None:
     return None
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be restored (truncated, or written by another configuration)."""
+
+
 def load_checkpoint(path: str, models: dict, optimizers: dict) -> dict:
     """Restore what `save_checkpoint` wrote, in place; returns the extras."""
     state = {}
     for name, model in models.items():
         model_sd, optim_sd = get_state_dict(model, optimizers[name])
         state[name] = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=path)
+    try:
+        dcp.load(state, checkpoint_id=path)
+        extra = torch.load(os.path.join(path, "extra.pt"), weights_only=False)
+    except (Exception, dcp.api.CheckpointException) as err:  # DCP's is a BaseException
+        cause = (str(err).strip().splitlines() or [""])[-1][:200]  # DCP puts each rank's traceback in it
+        raise CheckpointError(f"cannot resume from {path} ({type(err).__name__}: {cause}); "
+                              f"delete it to start over") from None
     for name, model in models.items():
         set_state_dict(
             model,
@@ -195,7 +205,7 @@ def load_checkpoint(path: str, models: dict, optimizers: dict) -> dict:
             model_state_dict=state[name]["model"],
             optim_state_dict=state[name]["optim"],
         )
-    return torch.load(os.path.join(path, "extra.pt"), weights_only=False)
+    return extra
 
 
 def iter_full_weights(

@@ -22,7 +22,6 @@ import sys
 import time
 
 import torch
-from torch.distributed.checkpoint.api import CheckpointException
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -310,12 +309,7 @@ def main(cfg: Config) -> dict:
     ckpt = os.path.join(run_dir, "checkpoint")
     found = fsdp_utils.latest_checkpoint(ckpt)
     if cfg.resume and found:
-        try:
-            extra = fsdp_utils.load_checkpoint(found, models, optimizers)
-        except (Exception, CheckpointException) as err:  # a truncated or foreign checkpoint fails deep in torch
-            cause = (str(err).strip().splitlines() or [""])[-1][:200]  # DCP puts each rank's traceback in str(err)
-            raise SystemExit(f"error: cannot resume from {found} ({type(err).__name__}: {cause}); "
-                             f"delete it to start over") from None
+        extra = fsdp_utils.load_checkpoint(found, models, optimizers)
         for s, state in zip(schedulers, extra["schedulers"]):
             s.load_state_dict(state)
         start = extra["step"] + 1
@@ -373,5 +367,6 @@ def print_summary(summary: dict, run_dir: str) -> None:
 if __name__ == "__main__":
     try:
         main(parse_config(sys.argv[1:], description=__doc__))
-    except (DataError, FileNotFoundError, FloatingPointError) as err:  # bad input, or a diverged run
+    # Bad input, a diverged model, an unreadable checkpoint: the message says which and where.
+    except (DataError, FileNotFoundError, FloatingPointError, fsdp_utils.CheckpointError) as err:
         sys.exit(f"error: {err}")

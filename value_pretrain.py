@@ -16,13 +16,14 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 
 import torch.distributed as dist
 from tqdm import tqdm
 
 from critic import assert_finite, response_values
 from data import sample_prompts, stream_seed
-from fsdp_utils import export_hf_checkpoint, reduce_metrics
+from fsdp_utils import export_hf_checkpoint, latest_checkpoint, load_checkpoint, reduce_metrics, save_checkpoint
 from gae import compute_gae
 from ppo import explained_variance, micro_batched_forward, update_model, value_loss
 from reward import score_rollout
@@ -49,8 +50,14 @@ def pretrain_value(cfg, critic, critic_optimizer, engine, tokenizer, records, gr
     Returns the per-step history (value_loss, explained_variance, reward_mean, ...).
     """
     os.makedirs(out_dir, exist_ok=True)
-    history: list[dict] = []
-    bar = tqdm(range(cfg.value_pretrain_steps), desc="value pretraining", dynamic_ncols=True)
+    # Checkpointed every `save_every` steps like PPO (100 steps at 32B take hours); a resumed run
+    # replays the same draws (data.stream_seed), so it ends as if never stopped.
+    ckpt, history = os.path.join(out_dir, "checkpoint"), []
+    if cfg.resume and (found := latest_checkpoint(ckpt)):
+        history = load_checkpoint(found, {"critic": critic}, {"critic": critic_optimizer})["history"]
+        tqdm.write(f"value pretraining: resumed from {found} at step {len(history)}")
+    bar = tqdm(range(len(history), cfg.value_pretrain_steps), desc="value pretraining", dynamic_ncols=True,
+               initial=len(history), total=cfg.value_pretrain_steps)
     for step in bar:
         prompts = sample_prompts(records, cfg, step, stream="value_pretrain")
         batch = engine.generate(
@@ -81,10 +88,14 @@ def pretrain_value(cfg, critic, critic_optimizer, engine, tokenizer, records, gr
         if plateaued(history, cfg.plateau_window, cfg.plateau_rel_tol, cfg.plateau_ev_tol):
             tqdm.write(f"value pretraining: converged at step {step} (loss and EV plateaued)")
             break
+        if (step + 1) % cfg.save_every == 0:
+            save_checkpoint(ckpt, {"critic": critic}, {"critic": critic_optimizer}, {"history": history})
     export_hf_checkpoint(critic, None, os.path.join(out_dir, "critic"))  # collective under torchrun
     if not dist.is_initialized() or dist.get_rank() == 0:
         with open(os.path.join(out_dir, "curve.jsonl"), "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in history)
+        for leftover in (ckpt, ckpt + ".tmp", ckpt + ".old"):  # the exported critic supersedes them
+            shutil.rmtree(leftover, ignore_errors=True)
     return history
 
 

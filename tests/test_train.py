@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import config
+import fsdp_utils
 import reward
 import train
 from reward import GradeResult
@@ -123,6 +124,54 @@ def test_value_pretraining_lowers_value_loss_and_raises_explained_variance(out_d
     assert (tmp_path / "value_pretrain" / "curve.jsonl").exists()
 
 
+def test_value_pretraining_killed_mid_way_resumes_to_the_same_curve(out_dir, tmp_path):
+    import torch
+
+    import task
+    from critic import load_value_model
+    from data import encode_prompt
+    from rollout import HFRollout
+    from value_pretrain import pretrain_value
+
+    tokenizer = task.build_tokenizer()
+    policy = task.make_tiny_model(tokenizer, num_layers=1, intermediate_size=64, seed=0)
+    policy.save_pretrained(tmp_path / "policy")
+    problems = task.make_problems(16, seed=1, min_difficulty=1, max_difficulty=8)
+    records = [{**p, "prompt_ids": encode_prompt(tokenizer, p["prompt"])} for p in problems]
+    grader = EasyProblemGrader(records)
+
+    class CountedRollout(HFRollout):
+        calls, kill_at = 0, None
+
+        def generate(self, *args, **kwargs):
+            type(self).calls += 1
+            if self.calls == self.kill_at:
+                raise KeyboardInterrupt
+            return super().generate(*args, **kwargs)
+
+    class KilledAtThirdRollout(CountedRollout):
+        kill_at = 3
+
+    def run(name, engine_class, *flags):
+        cfg = micro_config(out_dir, "--value-pretrain-steps", "4", "--save-every", "1", "--max-new-tokens", "8",
+                           "--plateau-window", "100", *flags)
+        torch.manual_seed(0)  # the fresh value head, as train.main seeds it
+        critic = load_value_model(str(tmp_path / "policy"))
+        optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr)
+        return pretrain_value(cfg, critic, optimizer, engine_class(policy, tokenizer), tokenizer, records, grader,
+                              str(tmp_path / name))
+
+    full = run("full", HFRollout)
+    with pytest.raises(KeyboardInterrupt):
+        run("killed", KilledAtThirdRollout)
+    assert (tmp_path / "killed" / "checkpoint").is_dir()  # steps 0 and 1 saved
+    resumed = run("killed", CountedRollout, "--resume")
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3] and CountedRollout.calls == 2  # steps 2 and 3 only
+    for a, b in zip(full, resumed):
+        assert b == pytest.approx(a, rel=1e-5, abs=1e-6, nan_ok=True)
+    assert sorted(p.name for p in (tmp_path / "killed").iterdir()) == ["critic", "curve.jsonl"]
+
+
 @pytest.mark.parametrize("flag, value", [
     ("--lam-actor", "1.5"), ("--lam-critic", "-0.1"), ("--actor-lr", "0"), ("--top-p", "0"),
     ("--samples-per-prompt", "0"), ("--run-name", "a/b"), ("--clip-low", "1.0"), ("--critic-lr", "inf"),
@@ -181,7 +230,7 @@ def test_unreadable_checkpoint_and_diverged_model_stop_with_a_message(out_dir, s
     train.main(micro_config(out_dir, "--run-name", "corrupt", "--steps", "1", "--value-pretrain-steps", "0"))
     shard = next((out_dir / "corrupt" / "checkpoint").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:1000])  # a truncated file
-    with pytest.raises(SystemExit, match="cannot resume from .*corrupt/checkpoint .*delete it"):
+    with pytest.raises(fsdp_utils.CheckpointError, match="cannot resume from .*corrupt/checkpoint .*delete it"):
         train.main(micro_config(out_dir, "--run-name", "corrupt", "--steps", "2", "--value-pretrain-steps", "0",
                                 "--resume"))
     # The critic's first mini-batch step sends it to inf: its second mini-batch's values are NaN.
