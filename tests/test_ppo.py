@@ -366,3 +366,159 @@ def test_micro_batched_forward_equals_the_whole_batch_forward_in_bounded_micro_b
     assert sum(rows for rows, _, _ in seen) == len(batch) and max(rows for rows, _, _ in seen) <= 3
     assert all(width == longest for _, width, longest in seen)  # each trimmed to its own longest
     assert min(width for _, width, _ in seen) < batch.response_ids.shape[1]
+
+
+# --- padding, exact KL expectations, update_model's loop --------------------------------------
+
+
+def test_policy_loss_and_metrics_equal_those_of_the_valid_tokens_packed_in_one_row():
+    """Whatever padding holds (log-probs, old log-probs, advantages), the loss and every metric of
+    a ragged batch equal those of its valid tokens alone, packed into one unpadded row."""
+    new, old, adv, mask = policy_batch(seed=11)
+    valid = mask.bool()
+    assert not valid.all()
+
+    def garbage(x, value):
+        return torch.where(valid, x, torch.full_like(x, value))
+
+    clips = dict(clip_low=0.2, clip_high=0.28, dual_clip=3.0)
+    loss, metrics = policy_loss(garbage(new, -4.0), garbage(old, 3.0), garbage(adv, -5.0), mask, **clips)
+    packed = [x[valid][None] for x in (new, old, adv)]
+    ref_loss, ref_metrics = policy_loss(*packed, torch.ones_like(packed[0]), **clips)
+    assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-6)
+    assert ref_metrics["pg_clipfrac_low"] > 0 and ref_metrics["pg_clipfrac_high"] > 0
+    for name, value in ref_metrics.items():
+        assert metrics[name].item() == pytest.approx(value.item(), rel=1e-6, abs=1e-7), name
+
+
+def test_kl_estimators_k1_and_k3_have_the_exact_kl_as_expectation():
+    """E_{y ~ pi}[k(log pi(y), log pi_ref(y))] = KL(pi || pi_ref) for k1 and k3, computed exactly
+    by enumerating a 3-token vocabulary. The distributions are far apart, so k3 with the ratio
+    inverted (pi/ref - 1 - log(pi/ref), whose expectation is chi^2 - KL) misses by about 0.3."""
+    pi = torch.tensor([0.7, 0.2, 0.1], dtype=torch.float64)
+    ref = torch.tensor([0.2, 0.3, 0.5], dtype=torch.float64)
+    kl = (pi * (pi / ref).log()).sum().item()
+    for kind in ("k1", "k3"):
+        per_token = kl_penalty(pi.log()[None], ref.log()[None], kind)
+        assert (pi * per_token[0]).sum().item() == pytest.approx(kl, rel=1e-9), kind
+    assert (kl_penalty(pi.log()[None], ref.log()[None], "k3") >= 0).all()
+
+
+def test_approx_kl_metric_estimates_kl_from_old_to_new_policy_on_old_samples():
+    """policy_loss's approx_kl is the k3 estimate of KL(pi_old || pi) over tokens sampled from
+    pi_old: four tokens drawn in exact proportion to pi_old = (1/2, 1/4, 1/4) give it exactly."""
+    old_p = torch.tensor([0.5, 0.25, 0.25], dtype=torch.float64)
+    new_p = torch.tensor([0.1, 0.6, 0.3], dtype=torch.float64)
+    tokens = torch.tensor([[0, 0, 1, 2]])
+    _, metrics = policy_loss(new_p.log()[tokens], old_p.log()[tokens], torch.zeros(1, 4, dtype=torch.float64),
+                             torch.ones(1, 4, dtype=torch.float64))
+    kl_old_new = (old_p * (old_p / new_p).log()).sum().item()
+    assert metrics["approx_kl"].item() == pytest.approx(kl_old_new, rel=1e-9)
+
+
+def synthetic_rollout(lengths, prompt_len=2):
+    """A RolloutBatch of right-padded responses of the given lengths (no model needed)."""
+    from rollout import RolloutBatch
+
+    lengths = torch.tensor(lengths)
+    mask = (torch.arange(int(lengths.max()))[None] < lengths[:, None]).float()
+    B, T = mask.shape
+    return RolloutBatch(torch.full((B, prompt_len), 5), torch.ones(B, prompt_len, dtype=torch.long),
+                        3 * mask.long(), mask, torch.zeros(B, T), ["stop"] * B)
+
+
+class StepLog(torch.optim.SGD):
+    """SGD that groups the loss_fn calls it sees by the optimizer step they were summed into."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, lr=lr)
+        self.minibatches = [[]]
+
+    def step(self, closure=None):
+        super().step(closure)
+        self.minibatches.append([])
+
+
+def recording_loss(model, micro, micro_rows, normalizer, cfg):
+    """loss = w * token-mean of x (w a scalar parameter), with a `_loss` and a token-mean metric;
+    logs (rows, tokens, normalizer) of each call in the model's optimizer."""
+    rows = micro_rows["row"][:, 0].long().tolist()
+    model.log.minibatches[-1].append((rows, micro.response_mask.sum().item(), normalizer))
+    loss = aggregate_loss(model.weight[0, 0] * micro_rows["x"], micro.response_mask, cfg.loss_agg, normalizer)
+    return loss, {"x_loss": loss.detach(), "x_mean": masked_mean(micro_rows["x"], micro.response_mask)}
+
+
+def run_update(lengths, lr=0.0, **settings):
+    from types import SimpleNamespace
+
+    from ppo import update_model
+
+    batch = synthetic_rollout(lengths)
+    B, T = batch.response_mask.shape
+    gen = torch.Generator().manual_seed(0)
+    rows = {"row": torch.arange(B, dtype=torch.float32)[:, None].expand(B, T).clone(),
+            "x": torch.randn(B, T, generator=gen) * batch.response_mask}
+    model = torch.nn.Linear(1, 1, bias=False)
+    torch.nn.init.ones_(model.weight)
+    model.log = StepLog(model.parameters(), lr=lr)
+    cfg = SimpleNamespace(**{"ppo_epochs": 1, "num_minibatches": 1, "micro_batch_size": 2,
+                             "loss_agg": "token-mean", "max_grad_norm": 1e9} | settings)
+    metrics = update_model(cfg, model, model.log, batch, rows, recording_loss, seed=0, prefix="m")
+    return batch, rows, model, metrics, model.log.minibatches[:-1]
+
+
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean"])
+def test_update_model_runs_every_epoch_over_every_row_normalised_per_mini_batch(loss_agg):
+    """ppo_epochs passes, each a permutation of the rows cut into num_minibatches optimizer steps;
+    each step's losses are divided by that mini-batch's own token (or sequence) count."""
+    lengths = [1, 4, 2, 6, 3, 5]
+    batch, _, _, _, steps = run_update(lengths, ppo_epochs=3, num_minibatches=2, loss_agg=loss_agg)
+    assert len(steps) == 3 * 2
+    for epoch in range(3):
+        seen = [r for step in steps[2 * epoch : 2 * epoch + 2] for rows, _, _ in step for r in rows]
+        assert sorted(seen) == list(range(len(lengths)))
+    for step in steps:
+        rows = [r for micro_rows, _, _ in step for r in micro_rows]
+        assert len(rows) == 3 and len(step) == 2  # micro-batches of at most 2 rows
+        expected = sum(lengths[r] for r in rows) if loss_agg == "token-mean" else len(rows)
+        assert {normalizer for _, _, normalizer in step} == {expected}
+
+
+def test_update_model_metrics_are_mini_batch_token_means_averaged_over_steps():
+    """`*_loss` metrics add up over a step's micro-batches; the others (token means) are weighted
+    by each micro-batch's share of the step's tokens: both give the mini-batch's token mean of x
+    here (w = 1, lr = 0), averaged over the optimizer steps."""
+    lengths = [1, 4, 2, 6, 3, 5, 7, 2]
+    _, rows, _, metrics, steps = run_update(lengths, ppo_epochs=2, num_minibatches=2)
+    x, mask = rows["x"], synthetic_rollout(lengths).response_mask
+    per_step = []
+    for step in steps:
+        picked = [r for micro_rows, _, _ in step for r in micro_rows]
+        per_step.append((x[picked] * mask[picked]).sum().item() / mask[picked].sum().item())
+    expected = sum(per_step) / len(per_step)
+    assert metrics["m/x_loss"] == pytest.approx(expected, rel=1e-5)
+    assert metrics["m/x_mean"] == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("max_grad_norm, expected_step", [(0.5, 0.5), (1e9, 100.0)])
+def test_update_model_clips_the_gradient_norm_to_max_grad_norm(max_grad_norm, expected_step):
+    """loss = w * 100 (token mean of x = 100): |dL/dw| = 100; with SGD at lr 1 the step is the
+    gradient clipped to norm max_grad_norm; grad_norm reports the norm before clipping."""
+    from types import SimpleNamespace
+
+    from ppo import update_model
+
+    batch = synthetic_rollout([3, 2])
+    model = torch.nn.Linear(1, 1, bias=False)
+    torch.nn.init.zeros_(model.weight)
+    rows = {"x": 100.0 * batch.response_mask}
+
+    def loss_fn(model, micro, micro_rows, normalizer, cfg):
+        return aggregate_loss(model.weight[0, 0] * micro_rows["x"], micro.response_mask, normalizer=normalizer), {}
+
+    cfg = SimpleNamespace(ppo_epochs=1, num_minibatches=1, micro_batch_size=1, loss_agg="token-mean",
+                          max_grad_norm=max_grad_norm)
+    metrics = update_model(cfg, model, torch.optim.SGD(model.parameters(), lr=1.0), batch, rows, loss_fn,
+                           seed=0, prefix="m")
+    assert metrics["m/grad_norm"] == pytest.approx(100.0, rel=1e-5)
+    assert model.weight.item() == pytest.approx(-expected_step, rel=1e-5)

@@ -63,6 +63,12 @@ def test_nested_braces_and_fbox_are_extracted():
     assert rule_reward("\\fbox{\\frac{1}{\\sqrt{2}}}", "\\frac{\\sqrt{2}}{2}") == 1.0
 
 
+def test_escaped_braces_inside_a_box_are_literal_not_grouping():
+    """`\\{` and `\\}` are set braces: they neither open nor close the box's group."""
+    assert last_boxed("\\boxed{\\left\\{ x > 0 \\right.} done") == "\\left\\{ x > 0 \\right."
+    assert last_boxed("so \\boxed{\\}}") == "\\}"
+
+
 def test_boxed_ground_truth_is_unwrapped():
     assert rule_reward("\\boxed{0.25}", "$\\boxed{\\frac14}$") == 1.0
 
@@ -251,3 +257,50 @@ def test_train_orm_rejects_mismatched_labels(tmp_path, one_thread):
         train_orm(model, [batch], [labels[:3]], steps=1, lr=1e-3)
     with pytest.raises(ValueError, match="labels"):
         train_orm(model, [batch, batch], [labels], steps=1, lr=1e-3)
+
+
+class FixedGrader:
+    """Returns the given verdicts whatever the texts."""
+
+    def __init__(self, rewards):
+        self.rewards = rewards
+
+    def grade(self, responses, answers):
+        assert len(responses) == len(answers) == len(self.rewards)
+        return reward.GradeResult(rewards=list(self.rewards), num_timeouts=2, num_missing_box=1)
+
+
+@pytest.mark.parametrize("truncation_reward", [-0.5, None])
+def test_score_rollout_puts_the_score_on_the_last_valid_token_and_scores_cut_responses(truncation_reward):
+    """DESIGN.md: the outcome reward sits on token L_b - 1 and nowhere else; a response cut at
+    max_new_tokens (finish "length") scores cfg.truncation_reward when it is set, its grade if not."""
+    from types import SimpleNamespace
+
+    batch, _ = _synthetic_batch(seed=5, batch_size=4)
+    batch.finish_reasons = ["stop", "length", "stop", "length"]
+    grades = [1.0, 1.0, -1.0, -1.0]
+    scores, token_rewards, counts = reward.score_rollout(
+        batch, ["text"] * 4, [{"answer": "1"}] * 4, FixedGrader(grades),
+        SimpleNamespace(truncation_reward=truncation_reward))
+    cut = -0.5 if truncation_reward is not None else None
+    expected = [g if f == "stop" or cut is None else cut for g, f in zip(grades, batch.finish_reasons)]
+    assert scores.tolist() == expected
+    assert token_rewards.shape == batch.response_mask.shape
+    for b, length in enumerate(batch.lengths.tolist()):
+        assert length > 1
+        assert token_rewards[b, length - 1].item() == expected[b]
+        assert (token_rewards[b, : length - 1] == 0).all() and (token_rewards[b, length:] == 0).all()
+    assert counts == {"timeouts": 2, "missing_box": 1}
+
+
+def test_orm_sign_accuracy_is_the_share_of_scores_with_the_label_sign(tmp_path, one_thread):
+    """train_orm's orm/sign_accuracy at a step: the share of rows whose score (before that step's
+    update) has the sign of the label. Labels agree with the initial scores on 3 rows of 4."""
+    model = _tiny_value_model(tmp_path)
+    batch, _ = _synthetic_batch(seed=2, batch_size=4)
+    signs = torch.sign(orm_scores(model, batch))
+    assert (signs != 0).all()
+    labels = signs.clone()
+    labels[0] = -labels[0]
+    history = train_orm(model, [batch], [labels], steps=1, lr=1e-3)
+    assert history[0]["orm/sign_accuracy"] == pytest.approx(0.75)

@@ -93,3 +93,47 @@ def test_assert_finite_names_the_bad_parameter(policy):
         critic.score.weight[0, 0] = float("nan")
     with pytest.raises(FloatingPointError, match="score.weight"):
         assert_finite(critic.named_parameters(), "critic")
+
+
+def full_forward_logprobs(model, batch):
+    """log pi(y_t | s_t) at temperature 1 from a forward over the whole sequence."""
+    with torch.no_grad():
+        logits = batch.response_slice(model(**batch.model_inputs()).logits)
+    return response_logprobs(logits, batch.response_ids) * batch.response_mask
+
+
+def test_a_response_that_stops_keeps_its_eos_as_its_last_masked_token():
+    """DESIGN.md: mask = 1 on every generated token, the EOS included (its log-prob is trained:
+    it is how the policy learns to stop). tests/dist_workers' tiny actor emits EOS right after a
+    prompt ending in "7" and runs to the length limit otherwise, so both endings occur."""
+    from dist_workers.common import PROMPTS, tiny_actor
+
+    tokenizer, model = tiny_actor()
+    batch = HFRollout(model, tokenizer).generate([tokenizer(p)["input_ids"] for p in PROMPTS], max_new_tokens=6,
+                                                 temperature=0.0)
+    eos = tokenizer.eos_token_id
+    assert set(batch.finish_reasons) == {"stop", "length"}
+    recomputed = full_forward_logprobs(model, batch)
+    for b, reason in enumerate(batch.finish_reasons):
+        length = int(batch.lengths[b])
+        assert batch.response_mask[b, :length].eq(1).all() and batch.response_mask[b, length:].eq(0).all()
+        if reason == "stop":
+            assert batch.response_ids[b, length - 1].item() == eos and length < 6
+            assert batch.logprobs[b, length - 1] < 0  # the EOS's own log-prob is kept
+            assert batch.logprobs[b, length - 1] == pytest.approx(recomputed[b, length - 1].item(), abs=1e-5)
+        else:
+            assert length == 6 and (batch.response_ids[b] != eos).all()
+
+
+def test_micro_batches_group_rows_of_similar_length():
+    """RolloutBatch.micro_batches sorts the requested rows by response length before cutting
+    them into micro-batches, so each is padded only to its own longest response."""
+    from rollout import RolloutBatch
+
+    lengths = torch.tensor([7, 1, 6, 2, 5, 3])
+    mask = (torch.arange(7)[None] < lengths[:, None]).float()
+    batch = RolloutBatch(torch.ones(6, 2, dtype=torch.long), torch.ones(6, 2, dtype=torch.long),
+                         3 * mask.long(), mask, torch.zeros(6, 7), ["stop"] * 6)
+    micro = list(batch.micro_batches(torch.tensor([0, 1, 2, 3, 4]), 2))
+    assert [rows.tolist() for rows, _ in micro] == [[1, 3], [4, 2], [0]]
+    assert [m.response_ids.shape[1] for _, m in micro] == [2, 6, 7]

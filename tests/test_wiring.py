@@ -1,0 +1,370 @@
+"""How train.py and value_pretrain.py wire the concept files together (Algorithm 1), checked in
+milliseconds: scripted rollouts, a scripted grader and a critic whose values are set by hand, with
+`update_model` replaced by a recorder of what each optimizer step would be given.
+
+Each expected tensor is derived here from its definition (DESIGN.md, PAPER.md, docstrings):
+rewards on the last valid token, GAE from the plain reference loop `gae_reference` with the two
+lambdas of decoupled GAE, Monte-Carlo targets of value pretraining, GRPO's group normalisation,
+log-probs from the model's full forward, the clipped value loss of Eq. (2).
+"""
+
+import dataclasses
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import task
+import train
+import value_pretrain
+from config import Config
+from gae import gae_reference
+from ppo import response_logprobs
+from reward import GradeResult
+from rollout import RolloutBatch, left_pad
+
+# Responses of the scripted rollout (characters of the task's alphabet) and how each one ended.
+# Rows 2k and 2k+1 share a prompt (samples_per_prompt = 2); MAX_NEW_TOKENS-long rows were cut.
+MAX_NEW_TOKENS = 12
+RESPONSES = ["12=\n", "7*2^a=", "\\boxed{3}", "abcdefghijkl", "4:9?x", "ABCDEFGHIJKL"]
+FINISH = ["stop", "stop", "stop", "length", "stop", "length"]
+GRADES = [1.0, -1.0, 1.0, 1.0, -1.0, -1.0]  # the grader's verdicts; a cut response gets TRUNCATION
+TRUNCATION = -0.5
+
+
+class ScriptedRollout:
+    """A rollout engine whose "samples" are fixed: row b gets RESPONSES[b], ended as FINISH[b]."""
+
+    def __init__(self, tokenizer, responses=RESPONSES, finish=FINISH):
+        self.pad_id = tokenizer.pad_token_id
+        self.responses = [tokenizer(r)["input_ids"] for r in responses]
+        self.finish = list(finish)
+        self.batch = None
+
+    def generate(self, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, seed=None):
+        assert len(prompt_ids) == len(self.responses)
+        ids, prompt_mask = left_pad(prompt_ids, self.pad_id)
+        width = max(map(len, self.responses))
+        response = torch.full((len(ids), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros(len(ids), width)
+        for b, r in enumerate(self.responses):
+            response[b, : len(r)] = torch.tensor(r)
+            mask[b, : len(r)] = 1.0
+        self.batch = RolloutBatch(ids, prompt_mask, response, mask, torch.zeros(len(ids), width), self.finish)
+        return self.batch
+
+    def sleep(self):
+        pass
+
+
+class ScriptedGrader:
+    """Returns the given verdicts, whatever the texts."""
+
+    def __init__(self, rewards=GRADES):
+        self.rewards = list(rewards)
+
+    def grade(self, responses, answers):
+        assert len(responses) == len(answers) == len(self.rewards)
+        return GradeResult(rewards=list(self.rewards), num_timeouts=0, num_missing_box=0)
+
+
+class TokenValueCritic(torch.nn.Module):
+    """A value model whose output at a position is a hand-set number of the token there:
+    V(s_t) = table[token at sequence position P + t - 1] (the critic's reading position)."""
+
+    def __init__(self, vocab_size, seed=0):
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.table = torch.nn.Parameter(torch.randn(vocab_size, generator=gen))
+
+    def forward(self, input_ids, attention_mask, position_ids):
+        return SimpleNamespace(logits=self.table[input_ids].unsqueeze(-1))
+
+
+def make_config(**overrides):
+    cfg = dataclasses.replace(Config(), prompts_per_step=3, samples_per_prompt=2, max_new_tokens=MAX_NEW_TOKENS,
+                              micro_batch_size=4, num_minibatches=2, truncation_reward=TRUNCATION, **overrides)
+    cfg.validate()
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return task.build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def actor(tokenizer):
+    return task.make_tiny_model(tokenizer, num_layers=1, hidden_size=64, num_heads=1, num_kv_heads=1,
+                                intermediate_size=128, seed=0)
+
+
+@pytest.fixture(scope="module")
+def records(tokenizer):
+    prompts = ["12*2^a=\n", "3*2^b=\n", "407*2^c=\n", "5*2^d=\n"]  # different lengths: left padding
+    return [{"prompt_ids": tokenizer(p)["input_ids"], "answer": str(i)} for i, p in enumerate(prompts)]
+
+
+def expected_scores(grades=GRADES, finish=FINISH, truncation=TRUNCATION):
+    return torch.tensor([truncation if f == "length" else g for g, f in zip(grades, finish)])
+
+
+def last_token_rewards(scores, mask):
+    """DESIGN.md: the outcome reward on the last valid token t = L_b - 1, 0 elsewhere."""
+    rewards = torch.zeros_like(mask)
+    for b, length in enumerate(mask.sum(1).long().tolist()):
+        rewards[b, length - 1] = scores[b]
+    return rewards
+
+
+def critic_values(critic, batch):
+    """V(s_t) read token by token from the hand-set table: the input at position P + t - 1."""
+    inputs = torch.cat([batch.prompt_ids, batch.response_ids], 1)
+    P = batch.prompt_ids.shape[1]
+    values = torch.zeros_like(batch.response_mask)
+    for b, length in enumerate(batch.lengths.tolist()):
+        for t in range(length):
+            values[b, t] = critic.table[inputs[b, P + t - 1]]
+    return values
+
+
+def full_forward_logprobs(actor, batch, temperature):
+    """log pi(y_t | s_t) from the logits of the whole sequence, at the positions before each token."""
+    with torch.no_grad():
+        logits = batch.response_slice(actor(**batch.model_inputs()).logits)
+    return response_logprobs(logits, batch.response_ids, temperature) * batch.response_mask, logits
+
+
+def whiten(x, mask):
+    """(x - mean) / std over the valid tokens (Bessel-corrected), 0 on padding."""
+    valid = x[mask.bool()]
+    return torch.where(mask.bool(), (x - valid.mean()) / valid.std(), torch.zeros_like(x))
+
+
+def record_update_model(calls, metrics=None):
+    """A stand-in for ppo.update_model that keeps what each model's update would be given."""
+
+    def update_model(cfg, model, optimizer, batch, rows, loss_fn, seed, prefix):
+        calls[prefix] = SimpleNamespace(model=model, batch=batch, loss_fn=loss_fn,
+                                        rows={k: v.clone() for k, v in rows.items()})
+        return dict(metrics or {})
+
+    return update_model
+
+
+def run_ppo_step(cfg, actor, critic, tokenizer, records, monkeypatch):
+    calls = {}
+    monkeypatch.setattr(train, "update_model", record_update_model(calls))
+    engine = ScriptedRollout(tokenizer)
+    models = {"actor": actor} | ({"critic": critic} if critic is not None else {})
+    metrics = train.ppo_step(cfg, 0, models, {name: None for name in models}, engine, tokenizer, records,
+                             ScriptedGrader(), ref_actor=None)
+    return engine.batch, calls, metrics
+
+
+def test_ppo_step_feeds_decoupled_gae_advantages_to_the_actor_and_lambda_critic_returns_to_the_critic(
+        tokenizer, actor, records, monkeypatch):
+    """Algorithm 1 / §3.3: the outcome score (or the truncation reward) on each response's last
+    token; V(s_t) from the critic; advantages = GAE(lam_actor), whitened over the valid tokens;
+    critic targets = GAE(lam_critic) + V, not whitened; old log-probs = the policy's log-probs at
+    the rollout temperature; per-position advantage metrics from the raw advantages."""
+    cfg = make_config(lam_actor=0.5, lam_critic=1.0, gamma=0.99, temperature=0.7)
+    critic = TokenValueCritic(len(tokenizer), seed=1)
+    batch, calls, metrics = run_ppo_step(cfg, actor, critic, tokenizer, records, monkeypatch)
+    mask = batch.response_mask
+    assert set(calls) == {"actor", "critic"} and calls["actor"].rows.keys() == calls["critic"].rows.keys()
+    rows = calls["actor"].rows
+
+    values = critic_values(critic, batch)
+    rewards = last_token_rewards(expected_scores(), mask)
+    advantages, _ = gae_reference(rewards, values, mask, cfg.gamma, cfg.lam_actor)
+    _, returns = gae_reference(rewards, values, mask, cfg.gamma, cfg.lam_critic)
+    # lam_actor and lam_critic give visibly different targets here, so a swap cannot pass.
+    assert (gae_reference(rewards, values, mask, cfg.gamma, cfg.lam_actor)[1] - returns).abs().max() > 0.1
+
+    torch.testing.assert_close(rows["old_values"], values)
+    torch.testing.assert_close(rows["returns"], returns, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(rows["advantages"], whiten(advantages, mask), atol=1e-5, rtol=1e-5)
+    old_logprobs, _ = full_forward_logprobs(actor, batch, cfg.temperature)
+    torch.testing.assert_close(rows["old_logprobs"], old_logprobs, atol=1e-5, rtol=1e-5)
+
+    # advantage/pos_bin{k}: mean advantage over tokens in the k-th quarter of their own response.
+    lengths = batch.lengths.tolist()
+    for k in range(train.POSITION_BINS):
+        in_bin = [advantages[b, t] for b, n in enumerate(lengths) for t in range(n)
+                  if min(t * train.POSITION_BINS // n, train.POSITION_BINS - 1) == k]
+        assert metrics[f"advantage/pos_bin{k}"] == pytest.approx(sum(in_bin).item() / len(in_bin), abs=1e-5)
+    assert metrics["reward/mean"] == pytest.approx(expected_scores().mean().item())
+
+
+def test_ppo_step_without_whitening_passes_the_raw_gae_advantages(tokenizer, actor, records, monkeypatch):
+    """--no-whiten-advantages: the actor gets GAE(lam_actor) itself."""
+    cfg = make_config(lam_actor=0.8, lam_critic=1.0, whiten_advantages=False)
+    critic = TokenValueCritic(len(tokenizer), seed=2)
+    batch, calls, _ = run_ppo_step(cfg, actor, critic, tokenizer, records, monkeypatch)
+    mask = batch.response_mask
+    advantages, _ = gae_reference(last_token_rewards(expected_scores(), mask), critic_values(critic, batch),
+                                  mask, cfg.gamma, cfg.lam_actor)
+    torch.testing.assert_close(calls["actor"].rows["advantages"], advantages, atol=1e-5, rtol=1e-5)
+
+
+def test_ppo_critic_update_uses_the_value_loss_clipped_around_the_old_values(
+        tokenizer, actor, records, monkeypatch):
+    """Eq. (2) with c = cfg.value_clip: 0.5 max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2),
+    token-mean over the given normaliser. Here the critic has moved by 2 > c since the rollout."""
+    cfg = make_config(value_clip=0.5)
+    critic = TokenValueCritic(len(tokenizer), seed=3)
+    batch, calls, _ = run_ppo_step(cfg, actor, critic, tokenizer, records, monkeypatch)
+    update = calls["critic"]
+    assert update.model is critic
+    rows, mask = update.rows, batch.response_mask
+    with torch.no_grad():
+        critic.table += 2.0
+    values = critic_values(critic, batch)
+    old, target = rows["old_values"], rows["returns"]
+    clipped = old + (values - old).clamp(-cfg.value_clip, cfg.value_clip)
+    per_token = 0.5 * torch.maximum((values - target) ** 2, (clipped - target) ** 2)
+    normalizer = float(mask.sum())
+    loss, _ = update.loss_fn(critic, batch, rows, normalizer, cfg)
+    assert loss.item() == pytest.approx(((per_token * mask).sum() / normalizer).item(), rel=1e-5)
+    unclipped = 0.5 * ((values - target) ** 2 * mask).sum() / normalizer
+    assert abs(loss.item() - unclipped.item()) > 0.01  # the clip matters here (tokens moved towards R)
+
+
+def test_grpo_step_normalises_each_score_within_its_prompt_group(tokenizer, actor, records, monkeypatch):
+    """GRPO (the baseline): no critic; A = (r - mean_g) / (std_g + eps) over the samples_per_prompt
+    consecutive responses of one prompt (Bessel std), on every valid token of the response."""
+    cfg = make_config(estimator="grpo", whiten_advantages=False)
+    batch, calls, metrics = run_ppo_step(cfg, actor, None, tokenizer, records, monkeypatch)
+    assert set(calls) == {"actor"} and "returns" not in calls["actor"].rows
+    scores = expected_scores().tolist()
+    expected = torch.zeros_like(batch.response_mask)
+    for start in range(0, len(scores), cfg.samples_per_prompt):
+        group = scores[start : start + cfg.samples_per_prompt]
+        mean = sum(group) / len(group)
+        std = math.sqrt(sum((s - mean) ** 2 for s in group) / (len(group) - 1))
+        for b in range(start, start + len(group)):
+            expected[b] = (scores[b] - mean) / (std + 1e-6) * batch.response_mask[b]
+    torch.testing.assert_close(calls["actor"].rows["advantages"], expected, atol=1e-4, rtol=1e-5)
+    assert not [key for key in metrics if key.startswith("critic/")]
+
+
+# --- the actor's loss and forward ------------------------------------------------------------
+
+
+def actor_config(**overrides):
+    return SimpleNamespace(**{"temperature": 0.7, "clip_low": 0.2, "clip_high": 0.28, "dual_clip": None,
+                              "loss_agg": "token-mean", "entropy_coef": 0.0, "kl_coef": 0.0,
+                              "kl_estimator": "k3"} | overrides)
+
+
+@pytest.fixture(scope="module")
+def scripted_batch(tokenizer, records):
+    """A scripted rollout batch (ragged prompts and responses) without any training around it."""
+    engine = ScriptedRollout(tokenizer)
+    return engine.generate([records[i % len(records)]["prompt_ids"] for i in range(len(RESPONSES))], MAX_NEW_TOKENS)
+
+
+def test_policy_forward_reads_the_logits_before_each_response_token(actor, scripted_batch):
+    """policy_forward keeps only the logits it needs; they must be those at positions
+    P - 1 + t (DESIGN.md), as in a plain forward over the whole sequence; entropy alike."""
+    expected, logits = full_forward_logprobs(actor, scripted_batch, 0.7)
+    with torch.no_grad():
+        logprobs, entropy = train.policy_forward(actor, scripted_batch, 0.7, with_entropy=True)
+    torch.testing.assert_close(logprobs, expected, atol=1e-5, rtol=1e-5)
+    p = torch.softmax(logits / 0.7, -1)
+    mask = scripted_batch.response_mask.bool()
+    torch.testing.assert_close(entropy[mask], -(p * p.log()).sum(-1)[mask], atol=1e-5, rtol=1e-5)
+
+
+def test_actor_loss_ratio_is_taken_against_the_old_logprobs(actor, scripted_batch):
+    """rho = pi / pi_old with pi_old from rows["old_logprobs"]: a policy that moved up by e^0.5 on
+    every token, with A = +1, is clipped at 1 + eps_high on all of them."""
+    cfg = actor_config()
+    now, _ = full_forward_logprobs(actor, scripted_batch, cfg.temperature)
+    mask = scripted_batch.response_mask
+    rows = {"old_logprobs": (now - 0.5) * mask, "advantages": mask.clone()}
+    loss, metrics = train.actor_loss(actor, scripted_batch, rows, float(mask.sum()), cfg)
+    assert loss.item() == pytest.approx(-(1 + cfg.clip_high), rel=1e-5)
+    assert metrics["pg_clipfrac_high"].item() == 1.0
+
+
+def test_entropy_bonus_lowers_and_kl_penalty_raises_the_actor_loss(actor, scripted_batch):
+    """loss = pg_loss - entropy_coef * mean H(pi) + kl_coef * mean k3, token-means over valid
+    tokens; k3 = pi_ref/pi - 1 - log(pi_ref/pi) >= 0 estimates KL(pi || pi_ref)."""
+    now, logits = full_forward_logprobs(actor, scripted_batch, 0.7)
+    mask = scripted_batch.response_mask
+    tokens = float(mask.sum())
+    gen = torch.Generator().manual_seed(0)
+    rows = {"old_logprobs": now, "advantages": torch.randn(mask.shape, generator=gen) * mask,
+            "ref_logprobs": (now + 0.3 * torch.randn(mask.shape, generator=gen)) * mask}
+    base, _ = train.actor_loss(actor, scripted_batch, rows, tokens, actor_config())
+
+    p = torch.softmax(logits / 0.7, -1)
+    mean_entropy = (-(p * p.log()).sum(-1) * mask).sum() / tokens
+    with_entropy, _ = train.actor_loss(actor, scripted_batch, rows, tokens, actor_config(entropy_coef=0.1))
+    assert with_entropy.item() == pytest.approx(base.item() - 0.1 * mean_entropy.item(), abs=1e-5)
+
+    log_r = rows["ref_logprobs"] - now
+    mean_k3 = ((log_r.exp() - 1 - log_r) * mask).sum() / tokens
+    assert mean_k3 > 0.01
+    with_kl, metrics = train.actor_loss(actor, scripted_batch, rows, tokens, actor_config(kl_coef=0.1))
+    assert with_kl.item() == pytest.approx(base.item() + 0.1 * mean_k3.item(), abs=1e-5)
+    assert metrics["kl"].item() == pytest.approx(mean_k3.item(), rel=1e-4)
+
+
+# --- value pretraining (§3.2) ----------------------------------------------------------------
+
+
+def test_value_pretraining_regresses_unclipped_on_discounted_monte_carlo_returns(
+        tokenizer, records, tmp_path, monkeypatch):
+    """§3.2: targets are GAE with lambda = 1, i.e. the Monte-Carlo return gamma^(L-1-t) * score
+    (whatever the critic says); the loss is the plain 0.5 (V - R)^2 (no clip: the critic moves
+    freely); the logged explained variance is 1 - Var(R - V) / Var(R) of the values before the update."""
+    cfg = make_config(gamma=0.8, value_pretrain_steps=1)
+    critic = TokenValueCritic(len(tokenizer), seed=4)
+    calls = {}
+    monkeypatch.setattr(value_pretrain, "update_model", record_update_model(calls, {"critic/vf_loss": 0.0}))
+    monkeypatch.setattr(value_pretrain, "export_hf_checkpoint", lambda *args, **kwargs: None)
+    engine = ScriptedRollout(tokenizer)
+    history = value_pretrain.pretrain_value(cfg, critic, None, engine, tokenizer, records, ScriptedGrader(),
+                                            str(tmp_path))
+    batch, update = engine.batch, calls["critic"]
+    mask, scores = batch.response_mask, expected_scores()
+    returns = torch.zeros_like(mask)
+    for b, length in enumerate(batch.lengths.tolist()):
+        for t in range(length):
+            returns[b, t] = cfg.gamma ** (length - 1 - t) * scores[b]
+    values = critic_values(critic, batch)
+    torch.testing.assert_close(update.rows["returns"], returns, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(update.rows["old_values"], values)
+
+    valid = mask.bool()
+    explained = 1 - (returns - values)[valid].var(unbiased=False) / returns[valid].var(unbiased=False)
+    assert history[0]["explained_variance"] == pytest.approx(explained.item(), rel=1e-5)
+
+    with torch.no_grad():
+        critic.table += 2.0  # far from the old values: a clip of any usual size would bite
+    moved = critic_values(critic, batch)
+    tokens = float(mask.sum())
+    loss, _ = update.loss_fn(critic, batch, update.rows, tokens, cfg)
+    assert loss.item() == pytest.approx((0.5 * (moved - returns)[valid] ** 2).sum().item() / tokens, rel=1e-5)
+
+
+def history(losses, evs):
+    return [{"value_loss": loss, "explained_variance": ev} for loss, ev in zip(losses, evs)]
+
+
+@pytest.mark.parametrize("losses, evs, expected", [
+    ([1.0] * 6, [0.5] * 6, True),  # both flat
+    ([1.0] * 3 + [0.99] * 3, [0.5] * 3 + [0.505] * 3, True),  # both move less than the tolerances
+    ([1.0] * 5, [0.5] * 5, False),  # fewer than two windows
+    ([1.0] * 3 + [0.9] * 3, [0.5] * 6, False),  # loss still falls by 10% (> 2%)
+    ([1.0] * 6, [0.5] * 3 + [0.6] * 3, False),  # EV still rises by 0.1 (> 0.01)
+    ([5.0] * 3 + [1.0] * 3 + [0.99] * 3, [0.0] * 3 + [0.5] * 6, True),  # only the last two windows count
+])
+def test_plateaued_needs_both_loss_and_explained_variance_flat_over_two_windows(losses, evs, expected):
+    """value_pretrain's documented stop: over two consecutive windows the mean loss falls by less
+    than rel_tol (relative) AND the mean explained variance rises by less than ev_tol."""
+    assert value_pretrain.plateaued(history(losses, evs), window=3, rel_tol=0.02, ev_tol=0.01) is expected
