@@ -392,6 +392,12 @@ def prepare_orm(cfg, sft_path: str, engine, tokenizer, records: list[dict], grad
             with open(saved) as f:
                 check_settings(path, json.load(f), settings, remedy="delete it to train a new one")
         return path
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        # train_orm is a single-process trainer (whole model, whole batch): under torchrun each rank
+        # would train its own ORM on its share of the samples. Train it once, then reuse the cache.
+        raise SystemExit(f"error: --critic-init rm under torchrun needs the outcome reward model at {path}: "
+                         f"train.py trains it in one process only (run it once without torchrun, --steps 0), "
+                         f"or put a trained one there (a Hugging Face token-classification checkpoint, 1 label)")
     batches, labels = [], []
     for i in tqdm(range(cfg.orm_batches), desc="ORM data", dynamic_ncols=True, leave=False):
         prompts = sample_prompts(records, dataclasses.replace(cfg, seed=0), i, stream="orm")

@@ -319,6 +319,9 @@ def test_whole_pipeline_runs_under_torchrun_with_fsdp2(tmp_path, rollout):
     run_dir = tmp_path / "tiny__sft__seed0"
     assert [r["step"] for r in read_metrics(run_dir)] == [0, 1]
     assert (run_dir / "summary.json").exists() and (run_dir / "value_pretrain" / "critic").is_dir()
+    if rollout[1] == "hf":  # the ORM trainer is single-process: under torchrun it must be cached
+        done = subprocess.run([*cmd, "--critic-init", "rm"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert done.returncode != 0 and "--critic-init rm under torchrun needs the outcome reward model" in done.stderr
 
 
 def test_grpo_run_loads_no_critic_and_logs_no_critic_metrics(out_dir, sft):
