@@ -13,7 +13,6 @@ One PPO step: rollout -> reward -> values and log-probs -> decoupled GAE -> PPO 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import math
@@ -26,7 +25,8 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import fsdp_utils
-from config import Config, check_settings, parse_config, world_size
+import rundir
+from config import Config, parse_config, world_size
 from critic import assert_finite, load_value_model, response_values
 from data import DataError, prepare_data, sample_prompts, stream_seed
 from evaluate import evaluate
@@ -179,75 +179,6 @@ def build_engine(cfg, actor, path: str, tokenizer):
                        gpu_memory_utilization=cfg.gpu_memory_utilization, seed=cfg.seed)
 
 
-class MetricsLog:
-    """metrics.jsonl + TensorBoard; a resumed run first drops the rows after its checkpoint."""
-
-    def __init__(self, run_dir: str, keep_up_to_step: int, enabled: bool):
-        self.path, self.enabled = os.path.join(run_dir, "metrics.jsonl"), enabled
-        if not enabled:
-            return
-        from torch.utils.tensorboard import SummaryWriter
-
-        rows = []
-        if os.path.exists(self.path):
-            with open(self.path) as f:
-                rows = [line for line in f if _logged_step(line) <= keep_up_to_step]
-        with open(self.path, "w") as f:
-            f.writelines(rows)
-        self.tb = SummaryWriter(run_dir, purge_step=keep_up_to_step + 1)  # drop the replayed steps
-
-    def write(self, step: int, metrics: dict) -> None:
-        if not self.enabled:
-            return
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"step": step, **metrics}) + "\n")
-        for key, value in metrics.items():
-            self.tb.add_scalar(key, value, step)
-        self.tb.flush()
-
-
-def _logged_step(line: str) -> float:
-    """The step of a metrics.jsonl line; inf for a line a kill cut short (dropped on resume)."""
-    try:
-        return json.loads(line)["step"]
-    except (json.JSONDecodeError, KeyError, TypeError):
-        return math.inf
-
-
-def save(cfg, run_dir, step, models, optimizers, schedulers):
-    fsdp_utils.save_checkpoint(
-        os.path.join(run_dir, "checkpoint"), models, optimizers,
-        {"step": step, "schedulers": [s.state_dict() for s in schedulers],
-         "config": dataclasses.asdict(cfg)},
-    )
-
-
-def evaluate_sft(cfg, engine, tokenizer, records, grader, run_dir: str, dist_info) -> dict:
-    """pi_SFT's held-out scores, computed once per run directory (a resumed 32B run would
-    otherwise sample the whole held-out set again): deterministic, like every draw here."""
-    path = os.path.join(run_dir, "eval_sft.json")
-    if os.path.exists(path):
-        with open(path) as f:
-            return json.load(f)
-    scores = json.loads(json.dumps(evaluate(cfg, engine, tokenizer, records, grader, "sft")))  # as read back
-    if dist_info.is_main:
-        with open(path, "w") as f:
-            json.dump(scores, f, indent=2)
-    return scores
-
-
-def check_run_dir(cfg: Config, run_dir: str) -> None:
-    """A run directory holds one experiment: its checkpoint, value-pretrained critic and metrics
-    belong to the settings in its config.json. Rerunning or resuming it may change only the
-    length of the run and how it runs (threads, checkpoint interval, grader workers)."""
-    saved = os.path.join(run_dir, "config.json")
-    if os.path.exists(saved):
-        with open(saved) as f:
-            check_settings(run_dir, json.load(f), dataclasses.asdict(cfg),
-                           ignore=("resume", "threads", "steps", "save_every", "grader_workers", "grader_timeout_s"),
-                           remedy="choose another --run-name or delete it")
-
-
 def print_plan(cfg: Config) -> None:
     """--plan: per-GPU memory of this config at torchrun's world size (16 when not under torchrun)."""
     import memory_plan
@@ -271,12 +202,7 @@ def main(cfg: Config) -> dict:
     dist_info = fsdp_utils.init_distributed()
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
-    run_dir = os.path.join(cfg.out_dir, cfg.run_name)
-    check_run_dir(cfg, run_dir)
-    os.makedirs(run_dir, exist_ok=True)
-    if dist_info.is_main:
-        with open(os.path.join(run_dir, "config.json"), "w") as f:
-            json.dump(dataclasses.asdict(cfg), f, indent=2)
+    run_dir = rundir.prepare(cfg, dist_info.is_main)
 
     # Stages before PPO: each writes a directory and is skipped when it exists.
     sft_path = prepare_sft(cfg)
@@ -285,7 +211,7 @@ def main(cfg: Config) -> dict:
     grader = Grader(num_workers=cfg.grader_workers, timeout_s=cfg.grader_timeout_s)
     models = {"actor": load_actor(cfg, sft_path, dist_info)}
     engine = build_engine(cfg, models["actor"], sft_path, tokenizer)
-    summary = {"sft": evaluate_sft(cfg, engine, tokenizer, eval_records, grader, run_dir, dist_info)}
+    summary = {"sft": rundir.evaluate_sft(cfg, engine, tokenizer, eval_records, grader, run_dir, dist_info.is_main)}
 
     if cfg.estimator == "gae":  # GRPO has no critic
         critic_init = prepare_orm(cfg, sft_path, engine, tokenizer, train_records, grader)
@@ -305,20 +231,10 @@ def main(cfg: Config) -> dict:
     schedulers = [torch.optim.lr_scheduler.LambdaLR(o, warmup) for o in optimizers.values()]
     ref_actor = load_actor(cfg, sft_path, dist_info) if cfg.kl_coef else None
 
-    start = 0
-    ckpt = os.path.join(run_dir, "checkpoint")
-    found = fsdp_utils.latest_checkpoint(ckpt)
-    if cfg.resume and found:
-        extra = fsdp_utils.load_checkpoint(found, models, optimizers)
-        for s, state in zip(schedulers, extra["schedulers"]):
-            s.load_state_dict(state)
-        start = extra["step"] + 1
-        engine.sync_weights(models["actor"])
-        tqdm.write(f"resumed from {found} at step {start}")
-    elif found or cfg.resume:
-        tqdm.write(f"{'found' if found else 'no checkpoint at'} {ckpt}: PPO starts at step 0, and "
-                   f"replaces {run_dir}/metrics.jsonl{'' if cfg.resume else ' (--resume continues from it)'}")
-    log = MetricsLog(run_dir, keep_up_to_step=start - 1, enabled=dist_info.is_main)
+    start = rundir.resume(cfg, run_dir, models, optimizers, schedulers)
+    if start:
+        engine.sync_weights(models["actor"])  # the rollout engine samples from the restored actor
+    log = rundir.MetricsLog(run_dir, keep_up_to_step=start - 1, enabled=dist_info.is_main)
 
     bar = tqdm(range(start, cfg.steps), desc="PPO", dynamic_ncols=True, disable=not dist_info.is_main)
     for step in bar:
@@ -328,9 +244,8 @@ def main(cfg: Config) -> dict:
             for name, model in models.items():
                 assert_finite(model.named_parameters(), f"{name} after the update")
         except FloatingPointError as err:  # a diverged model: say so, and what is left to resume from
-            last = fsdp_utils.latest_checkpoint(ckpt)
             sys.exit(f"error: PPO step {step}: {err}; stopped (a diverged model: lower the learning rates?). "
-                     + (f"Last checkpoint: {last} (--resume continues from it)" if last else "No checkpoint yet."))
+                     f"{rundir.last_checkpoint(run_dir)}")
         for s in schedulers:
             s.step()
         engine.sync_weights(models["actor"])
@@ -338,7 +253,7 @@ def main(cfg: Config) -> dict:
         bar.set_postfix(acc=f"{metrics['reward/accuracy']:.2f}",
                         len=f"{metrics['response_length/mean']:.0f}")
         if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
-            save(cfg, run_dir, step, models, optimizers, schedulers)
+            rundir.save(cfg, run_dir, step, models, optimizers, schedulers)
 
     summary["ppo"] = evaluate(cfg, engine, tokenizer, eval_records, grader, "ppo")
     grader.close()

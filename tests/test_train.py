@@ -1,6 +1,5 @@
 """End to end: the whole pipeline on a micro config, resume after SIGKILL, config validation."""
 
-import dataclasses
 import json
 import os
 import signal
@@ -14,6 +13,7 @@ import pytest
 import config
 import fsdp_utils
 import reward
+import rundir
 import train
 from reward import GradeResult
 
@@ -203,11 +203,11 @@ def test_a_run_directory_or_cache_made_with_other_settings_is_not_reused(tmp_pat
     from sft import prepare_sft
 
     cfg = micro_config(tmp_path, "--run-name", "r")
-    (tmp_path / "r").mkdir()
-    (tmp_path / "r" / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
-    train.check_run_dir(micro_config(tmp_path, "--run-name", "r", "--steps", "99", "--resume"), str(tmp_path / "r"))
+    assert rundir.prepare(cfg, is_main=True) == str(tmp_path / "r")
+    longer = micro_config(tmp_path, "--run-name", "r", "--steps", "99", "--resume")
+    assert rundir.prepare(longer, is_main=True) == str(tmp_path / "r")
     with pytest.raises(SystemExit, match=r"r was made with other settings \(lam_critic 1.0 -> 0.95\)"):
-        train.check_run_dir(micro_config(tmp_path, "--run-name", "r", "--lam-critic", "0.95"), str(tmp_path / "r"))
+        rundir.prepare(micro_config(tmp_path, "--run-name", "r", "--lam-critic", "0.95"), is_main=True)
 
     orm = tmp_path / "_shared" / "orm"
     orm.mkdir(parents=True)
@@ -291,11 +291,11 @@ def test_resumed_metrics_log_replaces_the_steps_logged_after_the_checkpoint(tmp_
     step 3 is logged again, and both metrics.jsonl and TensorBoard show it once, with new values."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    killed = train.MetricsLog(str(tmp_path), keep_up_to_step=-1, enabled=True)
+    killed = rundir.MetricsLog(str(tmp_path), keep_up_to_step=-1, enabled=True)
     for step in range(4):
         killed.write(step, {"x": step})
     time.sleep(1.1)  # event files are named by the second they were opened
-    resumed = train.MetricsLog(str(tmp_path), keep_up_to_step=2, enabled=True)
+    resumed = rundir.MetricsLog(str(tmp_path), keep_up_to_step=2, enabled=True)
     for step in range(3, 5):
         resumed.write(step, {"x": 100 + step})
     expected = [(0, 0), (1, 1), (2, 2), (3, 103), (4, 104)]

@@ -1,0 +1,119 @@
+"""The run directory, <out_dir>/<run_name>/: what a run of train.py keeps there, and how running
+it again, or resuming it, treats what is there.
+
+    config.json     the settings. Rerunning or resuming with settings that change the experiment
+                    stops (`prepare`): only the run's length and how it runs may change.
+    eval_sft.json   pi_SFT's held-out scores, computed once (`evaluate_sft`).
+    metrics.jsonl   one row per PPO step, plus TensorBoard events (`MetricsLog`).
+    checkpoint/     actor, critic, optimizers, schedulers and step (`save` / `resume`).
+    value_pretrain/ and summary.json come from value_pretrain.py and train.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+
+from tqdm import tqdm
+
+import fsdp_utils
+from config import Config, check_settings
+from evaluate import evaluate
+
+# What may differ between a run directory's config.json and a rerun or --resume of it.
+MAY_CHANGE = ("resume", "threads", "steps", "save_every", "grader_workers", "grader_timeout_s")
+
+
+def prepare(cfg: Config, is_main: bool) -> str:
+    """The run's directory, checked against what is already there, with config.json written."""
+    run_dir = os.path.join(cfg.out_dir, cfg.run_name)
+    saved = os.path.join(run_dir, "config.json")
+    if os.path.exists(saved):
+        with open(saved) as f:
+            check_settings(run_dir, json.load(f), dataclasses.asdict(cfg), ignore=MAY_CHANGE,
+                           remedy="choose another --run-name or delete it")
+    os.makedirs(run_dir, exist_ok=True)
+    if is_main:
+        with open(saved, "w") as f:
+            json.dump(dataclasses.asdict(cfg), f, indent=2)
+    return run_dir
+
+
+def evaluate_sft(cfg, engine, tokenizer, records, grader, run_dir: str, is_main: bool) -> dict:
+    """pi_SFT's held-out scores, computed once per run directory (a resumed 32B run would
+    otherwise sample the whole held-out set again): deterministic, like every draw here."""
+    path = os.path.join(run_dir, "eval_sft.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    scores = json.loads(json.dumps(evaluate(cfg, engine, tokenizer, records, grader, "sft")))  # as read back
+    if is_main:
+        with open(path, "w") as f:
+            json.dump(scores, f, indent=2)
+    return scores
+
+
+def save(cfg, run_dir: str, step: int, models: dict, optimizers: dict, schedulers: list) -> None:
+    fsdp_utils.save_checkpoint(
+        os.path.join(run_dir, "checkpoint"), models, optimizers,
+        {"step": step, "schedulers": [s.state_dict() for s in schedulers], "config": dataclasses.asdict(cfg)},
+    )
+
+
+def resume(cfg, run_dir: str, models: dict, optimizers: dict, schedulers: list) -> int:
+    """With --resume, restore the newest complete checkpoint in place; the step to start from."""
+    ckpt = os.path.join(run_dir, "checkpoint")
+    found = fsdp_utils.latest_checkpoint(ckpt)
+    if cfg.resume and found:
+        extra = fsdp_utils.load_checkpoint(found, models, optimizers)
+        for scheduler, state in zip(schedulers, extra["schedulers"]):
+            scheduler.load_state_dict(state)
+        tqdm.write(f"resumed from {found} at step {extra['step'] + 1}")
+        return extra["step"] + 1
+    if found or cfg.resume:
+        tqdm.write(f"{'found' if found else 'no checkpoint at'} {ckpt}: PPO starts at step 0, and replaces "
+                   f"{run_dir}/metrics.jsonl{'' if cfg.resume else ' (--resume continues from it)'}")
+    return 0
+
+
+def last_checkpoint(run_dir: str) -> str:
+    """Where a stopped run can be resumed from, as a sentence."""
+    found = fsdp_utils.latest_checkpoint(os.path.join(run_dir, "checkpoint"))
+    return f"Last checkpoint: {found} (--resume continues from it)" if found else "No checkpoint yet."
+
+
+class MetricsLog:
+    """metrics.jsonl + TensorBoard; a resumed run first drops the rows after its checkpoint."""
+
+    def __init__(self, run_dir: str, keep_up_to_step: int, enabled: bool):
+        self.path, self.enabled = os.path.join(run_dir, "metrics.jsonl"), enabled
+        if not enabled:
+            return
+        from torch.utils.tensorboard import SummaryWriter
+
+        rows = []
+        if os.path.exists(self.path):
+            with open(self.path) as f:
+                rows = [line for line in f if _logged_step(line) <= keep_up_to_step]
+        with open(self.path, "w") as f:
+            f.writelines(rows)
+        self.tb = SummaryWriter(run_dir, purge_step=keep_up_to_step + 1)  # drop the replayed steps
+
+    def write(self, step: int, metrics: dict) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        for key, value in metrics.items():
+            self.tb.add_scalar(key, value, step)
+        self.tb.flush()
+
+
+def _logged_step(line: str) -> float:
+    """The step of a metrics.jsonl line; inf for a line a kill cut short (dropped on resume)."""
+    try:
+        return json.loads(line)["step"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return math.inf
