@@ -65,7 +65,7 @@ def close_distributed() -> None:
     """Leave torchrun's process group once every rank is done (a no-op in one process): a rank
     that exits with the group still up can abort while the others still talk to it."""
     if dist.is_initialized():
-        dist.barrier()
+        barrier()
         dist.destroy_process_group()
 
 
@@ -160,7 +160,7 @@ def save_checkpoint(path: str, models: dict, optimizers: dict, extra: dict) -> N
     tmp = path + ".tmp"
     if _rank() == 0:  # a complete tmp left by a killed save must not mix with this one's files
         shutil.rmtree(tmp, ignore_errors=True)
-    _barrier()
+    barrier()
     dcp.save(state, checkpoint_id=tmp)
     if _rank() == 0:
         torch.save(extra, os.path.join(tmp, "extra.pt"))
@@ -168,7 +168,7 @@ def save_checkpoint(path: str, models: dict, optimizers: dict, extra: dict) -> N
             os.replace(path, path + ".old")
         os.replace(tmp, path)
         shutil.rmtree(path + ".old", ignore_errors=True)
-    _barrier()
+    barrier()
 
 
 def latest_checkpoint(path: str) -> str | None:
@@ -279,7 +279,7 @@ def export_hf_checkpoint(
                 json.dump(index, f, indent=2)
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)
-    _barrier()
+    barrier()
 
 
 def _bucket_plan(model, state: dict, bucket_bytes: int, dtype) -> list[list[str]]:
@@ -306,6 +306,7 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _barrier() -> None:
+def barrier() -> None:
+    """Wait for every rank (a no-op in one process)."""
     if dist.is_initialized():
         dist.barrier()

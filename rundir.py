@@ -35,6 +35,7 @@ def prepare(cfg: Config, is_main: bool) -> str:
             check_settings(run_dir, json.load(f), dataclasses.asdict(cfg), ignore=MAY_CHANGE,
                            remedy="choose another --run-name or delete it")
     os.makedirs(run_dir, exist_ok=True)
+    fsdp_utils.barrier()  # every rank has read the old config.json before rank 0 replaces it
     if is_main:
         with open(saved, "w") as f:
             json.dump(dataclasses.asdict(cfg), f, indent=2)
