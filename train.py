@@ -114,7 +114,8 @@ def ppo_step(cfg, step, models, optimizers, engine, tokenizer, records, grader, 
         advantages, rows["returns"] = decoupled_gae(
             token_rewards, values, mask, cfg.gamma, lam_actor=lam_actor, lam_critic=cfg.lam_critic
         )
-    position_adv = advantage_by_position(advantages, mask)
+    position_adv = advantage_by_position(advantages, mask)  # both before whitening, which centres them
+    mean_adv = masked_mean(advantages, mask).item()
     if cfg.whiten_advantages:
         advantages = masked_whiten(advantages, mask)
     rows["advantages"] = advantages
@@ -138,7 +139,7 @@ def ppo_step(cfg, step, models, optimizers, engine, tokenizer, records, grader, 
         "reward/accuracy": (scores > 0).float().mean().item(),
         "reward/grader_timeouts": reward_stats["timeouts"],
         "reward/missing_box": reward_stats["missing_box"],
-        "advantage/mean": masked_mean(advantages, mask).item(),
+        "advantage/mean": mean_adv,
     }
     if critic is not None:  # the values the advantages were computed from, before the update
         step_metrics |= {"critic/values_mean": masked_mean(values, mask).item(),
