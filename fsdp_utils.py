@@ -165,6 +165,7 @@ def save_checkpoint(path: str, models: dict, optimizers: dict, extra: dict) -> N
     if _rank() == 0:
         torch.save(extra, os.path.join(tmp, "extra.pt"))
         if os.path.exists(path):
+            shutil.rmtree(path + ".old", ignore_errors=True)  # half deleted by a kill: path is newer
             os.replace(path, path + ".old")
         os.replace(tmp, path)
         shutil.rmtree(path + ".old", ignore_errors=True)

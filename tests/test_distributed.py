@@ -117,6 +117,10 @@ def test_a_save_killed_between_its_renames_resumes_from_the_newest_complete_chec
     fsdp_utils.save_checkpoint(path, models, optimizers, {"step": 3})  # and the next save cleans up
     assert sorted(os.listdir(tmp_path)) == ["checkpoint"]
     assert fsdp_utils.load_checkpoint(fsdp_utils.latest_checkpoint(path), models, optimizers)["step"] == 3
+    os.makedirs(os.path.join(path + ".old", "half-deleted"))  # killed while removing the previous one
+    fsdp_utils.save_checkpoint(path, models, optimizers, {"step": 4})
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint"]
+    assert fsdp_utils.load_checkpoint(fsdp_utils.latest_checkpoint(path), models, optimizers)["step"] == 4
 
 
 def test_bucket_size_must_be_positive():
