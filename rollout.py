@@ -131,9 +131,10 @@ class HFRollout:
         was_training = self.model.training
         self.model.eval()
         # A seed makes the rollout a function of (seed, weights, prompts): resumed runs replay exactly.
+        # Under torchrun each rank draws from its own stream (seed + rank), not the same draws.
         with torch.random.fork_rng(devices=[]):
             if seed is not None:
-                torch.manual_seed(seed)
+                torch.manual_seed(seed + (dist.get_rank() if dist.is_initialized() else 0))
             try:
                 out = self.model.generate(
                     input_ids=ids,

@@ -54,6 +54,11 @@ def test_whitening_and_metrics_cover_every_ranks_rows(fsdp_run):
 
 
 @pytest.mark.slow
+def test_hf_sampling_draws_differently_on_each_rank(fsdp_run):
+    assert fsdp_run["sampling"]["ranks_differ"]
+
+
+@pytest.mark.slow
 def test_export_from_sharded_model_loads_as_same_hf_weights(fsdp_run):
     r = fsdp_run["export"]
     assert r["weight_max_diff"] == 0.0 and r["tied"]

@@ -6,6 +6,7 @@
    and the next step from it matches the next step of the run that wrote it.
 3. `export_hf_checkpoint` of the sharded actor loads in Hugging Face as the same weights.
 4. Advantage whitening and logged metrics over the two ranks' rows equal those of one process.
+5. Hugging Face sampling draws differently on each rank for the same seed.
 Each rank writes rank<r>.json into argv[1]; the test asserts on the numbers.
 """
 
@@ -21,6 +22,7 @@ from critic import load_value_model
 from fsdp_utils import (all_reduce_sum, close_distributed, export_hf_checkpoint, init_distributed,
                         iter_full_weights, load_checkpoint, reduce_metrics, save_checkpoint, shard_model)
 from ppo import masked_whiten
+from rollout import HFRollout
 
 out_dir = sys.argv[1]
 torch.set_num_threads(1)
@@ -152,5 +154,11 @@ result["stats"] = {
     "reduced": reduce_metrics({"mean": float(info.rank), "count": 1.0, "max": 10.0 * info.rank},
                               sums=("count",), maxes=("max",)),
 }
+
+# 5. HF sampling under torchrun: the same seed and prompts give each rank its own draws.
+sampled = HFRollout(actor(), tokenizer).generate([[5, 6, 7]] * 8, max_new_tokens=8, seed=123).response_ids
+both = [None, None]
+torch.distributed.all_gather_object(both, sampled.tolist())
+result["sampling"] = {"ranks_differ": both[0] != both[1]}
 write_result(out_dir, info.rank, result)
 close_distributed()
