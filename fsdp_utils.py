@@ -69,10 +69,16 @@ def close_distributed() -> None:
         dist.destroy_process_group()
 
 
-def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
-    """Sum over ranks (in place); identity in a single process."""
+def all_reduce(value: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """Sum (or `op`) over ranks, in place; identity in a single process. NCCL reduces GPU tensors
+    only: a CPU tensor (vLLM's rollout masks, metrics) goes through this rank's GPU and back."""
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        on_wire = value
+        if dist.get_backend() == "nccl" and value.device.type != "cuda":
+            on_wire = value.to(torch.device("cuda", torch.cuda.current_device()))
+        dist.all_reduce(on_wire, op=op)
+        if on_wire is not value:
+            value.copy_(on_wire)
     return value
 
 
@@ -85,12 +91,10 @@ def reduce_metrics(metrics: dict, sums=(), maxes=()) -> dict:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return dict(metrics)
     keys = sorted(metrics)  # the same order on every rank
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=device)
-    is_max = torch.tensor([k in maxes for k in keys], device=device)
-    summed = all_reduce_sum(torch.where(is_max, 0.0, values))
-    largest = torch.where(is_max, values, -torch.inf)
-    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
+    is_max = torch.tensor([k in maxes for k in keys])
+    summed = all_reduce(torch.where(is_max, 0.0, values))
+    largest = all_reduce(torch.where(is_max, values, -torch.inf), op=dist.ReduceOp.MAX)
     world = dist.get_world_size()
     return {k: (largest[i] if k in maxes else summed[i] if k in sums else summed[i] / world).item()
             for i, k in enumerate(keys)}
@@ -107,7 +111,7 @@ def shard_model(
     Works for the actor (`Qwen2ForCausalLM`) and the critic (`AutoModelForTokenClassification`):
     the decoder layers are the classes the model lists in `_no_split_modules`.
     Gradients are SUMMED over ranks, not averaged: a loss normalised by the global token count
-    (`all_reduce_sum` of the local counts) then gives exactly the single-process gradient.
+    (`all_reduce` of the local counts) then gives exactly the single-process gradient.
     mixed_precision (bf16 compute, fp32 sharded parameters and reduction) and cpu_offload apply
     on GPU only. Under torchrun pass the model on CPU: FSDP2 moves each layer to the GPU as it
     shards it, so a large model never sits whole on one GPU (offloaded shards go back to CPU).
@@ -197,8 +201,7 @@ def load_checkpoint(path: str, models: dict, optimizers: dict) -> dict:
         extra = torch.load(os.path.join(path, "extra.pt"), weights_only=False)
     except (Exception, dcp.api.CheckpointException) as err:  # DCP's is a BaseException
         cause = (str(err).strip().splitlines() or [""])[-1][:200]  # DCP puts each rank's traceback in it
-        raise CheckpointError(f"cannot resume from {path} ({type(err).__name__}: {cause}); "
-                              f"delete it to start over") from None
+        raise CheckpointError(f"cannot resume from {path} ({type(err).__name__}: {cause})") from None
     for name, model in models.items():
         set_state_dict(
             model,
@@ -305,6 +308,11 @@ def _bucket_plan(model, state: dict, bucket_bytes: int, dtype) -> list[list[str]
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    """torchrun's number of ranks; 1 in one process."""
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def barrier() -> None:

@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from fsdp_utils import all_reduce_sum, reduce_metrics
+from fsdp_utils import all_reduce, reduce_metrics
 
 # exp(log-ratio) overflows float32 near 88; a ratio of e^20 is already meaningless, and the clamp
 # keeps A = 0 tokens from turning into 0 * inf = NaN.
@@ -99,9 +99,9 @@ def masked_whiten(x, mask, shift_mean=True, eps=1e-8):
     mean is added back (only the scale is normalised). Under torchrun the mean and (Bessel-
     corrected) variance are those of every rank's tokens together, as in one process."""
     mask = mask.to(x.dtype)
-    count, total = all_reduce_sum(torch.stack([mask.sum(), masked_sum(x, mask)]))
+    count, total = all_reduce(torch.stack([mask.sum(), masked_sum(x, mask)]))
     mean = total / count.clamp_min(1)
-    var = all_reduce_sum(masked_sum((x - mean) ** 2, mask)) / (count - 1).clamp_min(1)
+    var = all_reduce(masked_sum((x - mean) ** 2, mask)) / (count - 1).clamp_min(1)
     whitened = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         whitened = whitened + mean
@@ -289,7 +289,7 @@ def update_model(cfg, model, optimizer, batch, rows, loss_fn, seed, prefix):
         for minibatch in order.chunk(cfg.num_minibatches):
             mask = batch.response_mask[minibatch]
             local = torch.stack([mask.sum(), mask.new_tensor(len(minibatch))]).double()
-            tokens, sequences = all_reduce_sum(local).tolist()
+            tokens, sequences = all_reduce(local).tolist()
             normalizer = tokens if cfg.loss_agg == "token-mean" else sequences
             optimizer.zero_grad(set_to_none=True)
             for micro_rows, micro in batch.micro_batches(minibatch, cfg.micro_batch_size):

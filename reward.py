@@ -366,7 +366,8 @@ def score_rollout(batch, texts: list[str], prompts: list[dict], grader: Grader, 
 # What the cached ORM depends on. It is shared by runs of every seed, so it samples with seed 0
 # whichever run trains it: the same ORM whatever order the runs come in.
 ORM_SETTINGS = ("orm_batches", "orm_steps", "orm_lr", "prompts_per_step", "samples_per_prompt",
-                "max_new_tokens", "temperature", "top_p")
+                "max_new_tokens", "temperature", "top_p", "truncation_reward", "model", "data",
+                "task_train_size", "max_prompt_tokens", "eval_fraction")
 
 
 def prepare_orm(cfg, sft_path: str, engine, tokenizer, records: list[dict], grader: Grader) -> str:
@@ -395,9 +396,9 @@ def prepare_orm(cfg, sft_path: str, engine, tokenizer, records: list[dict], grad
     if dist.is_initialized() and dist.get_world_size() > 1:
         # train_orm is a single-process trainer (whole model, whole batch): under torchrun each rank
         # would train its own ORM on its share of the samples. Train it once, then reuse the cache.
-        raise SystemExit(f"error: --critic-init rm under torchrun needs the outcome reward model at {path}: "
-                         f"train.py trains it in one process only (run it once without torchrun, --steps 0), "
-                         f"or put a trained one there (a Hugging Face token-classification checkpoint, 1 label)")
+        raise SystemExit(f"error: --critic-init rm under torchrun needs a trained outcome reward model at {path} "
+                         f"(a Hugging Face token-classification checkpoint, 1 label): train.py trains one only "
+                         f"in a single process")
     batches, labels = [], []
     for i in tqdm(range(cfg.orm_batches), desc="ORM data", dynamic_ncols=True, leave=False):
         prompts = sample_prompts(records, dataclasses.replace(cfg, seed=0), i, stream="orm")

@@ -22,24 +22,39 @@ import fsdp_utils
 from config import Config, check_settings
 from evaluate import evaluate
 
-# What may differ between a run directory's config.json and a rerun or --resume of it.
-MAY_CHANGE = ("resume", "threads", "steps", "save_every", "grader_workers", "grader_timeout_s")
+# What may differ between a run directory's config.json and a rerun or --resume of it: the run's
+# length, and how it runs (memory savers too, to resume a run that ran out of memory).
+MAY_CHANGE = ("resume", "threads", "steps", "save_every", "grader_workers", "grader_timeout_s",
+              "micro_batch_size", "activation_checkpointing", "cpu_offload", "gpu_memory_utilization")
 
 
-def prepare(cfg: Config, is_main: bool) -> str:
-    """The run's directory, checked against what is already there, with config.json written."""
+def check(cfg: Config) -> str:
+    """The run's directory; stops if its config.json holds other settings (see MAY_CHANGE)."""
     run_dir = os.path.join(cfg.out_dir, cfg.run_name)
     saved = os.path.join(run_dir, "config.json")
     if os.path.exists(saved):
         with open(saved) as f:
             check_settings(run_dir, json.load(f), dataclasses.asdict(cfg), ignore=MAY_CHANGE,
                            remedy="choose another --run-name or delete it")
+    return run_dir
+
+
+def prepare(cfg: Config, is_main: bool) -> str:
+    """The run's directory, checked against what is already there, with config.json written."""
+    run_dir = check(cfg)
+    saved = os.path.join(run_dir, "config.json")
     os.makedirs(run_dir, exist_ok=True)
     fsdp_utils.barrier()  # every rank has read the old config.json before rank 0 replaces it
     if is_main:
-        with open(saved, "w") as f:
-            json.dump(dataclasses.asdict(cfg), f, indent=2)
+        write_json(saved, dataclasses.asdict(cfg))
     return run_dir
+
+
+def write_json(path: str, obj) -> None:
+    """Written whole or not at all (a kill mid-write must not leave a file the next run cannot read)."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=2)
+    os.replace(path + ".tmp", path)
 
 
 def evaluate_sft(cfg, engine, tokenizer, records, grader, run_dir: str, is_main: bool) -> dict:
@@ -51,15 +66,15 @@ def evaluate_sft(cfg, engine, tokenizer, records, grader, run_dir: str, is_main:
             return json.load(f)
     scores = json.loads(json.dumps(evaluate(cfg, engine, tokenizer, records, grader, "sft")))  # as read back
     if is_main:
-        with open(path, "w") as f:
-            json.dump(scores, f, indent=2)
+        write_json(path, scores)
     return scores
 
 
 def save(cfg, run_dir: str, step: int, models: dict, optimizers: dict, schedulers: list) -> None:
     fsdp_utils.save_checkpoint(
         os.path.join(run_dir, "checkpoint"), models, optimizers,
-        {"step": step, "schedulers": [s.state_dict() for s in schedulers], "config": dataclasses.asdict(cfg)},
+        {"step": step, "schedulers": [s.state_dict() for s in schedulers], "config": dataclasses.asdict(cfg),
+         "world_size": fsdp_utils.world_size()},
     )
 
 
@@ -69,9 +84,14 @@ def resume(cfg, run_dir: str, models: dict, optimizers: dict, schedulers: list) 
     found = fsdp_utils.latest_checkpoint(ckpt)
     if cfg.resume and found:
         extra = fsdp_utils.load_checkpoint(found, models, optimizers)
+        if extra["step"] + 1 > cfg.steps:
+            raise SystemExit(f"error: {found} is at step {extra['step']}, past --steps {cfg.steps}")
         for scheduler, state in zip(schedulers, extra["schedulers"]):
             scheduler.load_state_dict(state)
         tqdm.write(f"resumed from {found} at step {extra['step'] + 1}")
+        if extra.get("world_size", 1) != fsdp_utils.world_size():  # each rank samples its own share
+            tqdm.write(f"note: world size {fsdp_utils.world_size()}, checkpoint written at {extra.get('world_size', 1)}: "
+                       f"the rest of the run samples differently than the uninterrupted run would have")
         return extra["step"] + 1
     if found or cfg.resume:
         tqdm.write(f"{'found' if found else 'no checkpoint at'} {ckpt}: PPO starts at step 0, and replaces "
@@ -80,9 +100,9 @@ def resume(cfg, run_dir: str, models: dict, optimizers: dict, schedulers: list) 
 
 
 def last_checkpoint(run_dir: str) -> str:
-    """Where a stopped run can be resumed from, as a sentence."""
+    """The newest checkpoint a stopped run left, as a sentence."""
     found = fsdp_utils.latest_checkpoint(os.path.join(run_dir, "checkpoint"))
-    return f"Last checkpoint: {found} (--resume continues from it)" if found else "No checkpoint yet."
+    return f"Last checkpoint: {found}." if found else "No checkpoint yet."
 
 
 class MetricsLog:

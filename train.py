@@ -224,6 +224,9 @@ def main(cfg: Config) -> dict:
             pretrain_opt = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr, weight_decay=0.0)
             history = pretrain_value(cfg, critic, pretrain_opt, engine, tokenizer, train_records, grader, vp_dir)
             summary["value_pretrain"] = history[-1]
+        elif pretrained and os.path.exists(os.path.join(vp_dir, "curve.jsonl")):  # done by an earlier run here
+            with open(os.path.join(vp_dir, "curve.jsonl")) as f:
+                summary["value_pretrain"] = json.loads(f.readlines()[-1])
         models["critic"] = critic
 
     lr = {"actor": cfg.actor_lr, "critic": cfg.critic_lr}
@@ -245,8 +248,7 @@ def main(cfg: Config) -> dict:
             for name, model in models.items():
                 assert_finite(model.named_parameters(), f"{name} after the update")
         except FloatingPointError as err:  # a diverged model: say so, and what is left to resume from
-            sys.exit(f"error: PPO step {step}: {err}; stopped (a diverged model: lower the learning rates?). "
-                     f"{rundir.last_checkpoint(run_dir)}")
+            sys.exit(f"error: PPO step {step}: {err}; stopped: the model diverged. {rundir.last_checkpoint(run_dir)}")
         for s in schedulers:
             s.step()
         engine.sync_weights(models["actor"])
@@ -259,8 +261,7 @@ def main(cfg: Config) -> dict:
     summary["ppo"] = evaluate(cfg, engine, tokenizer, eval_records, grader, "ppo")
     grader.close()
     if dist_info.is_main:
-        with open(os.path.join(run_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
+        rundir.write_json(os.path.join(run_dir, "summary.json"), summary)
         print_summary(summary, run_dir)
     fsdp_utils.close_distributed()
     return summary

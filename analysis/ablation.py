@@ -40,6 +40,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from tqdm import tqdm
 
+import rundir
 from config import Config, check_settings, parse_config
 
 TRAIN = Path(__file__).resolve().parents[1] / "train.py"
@@ -114,8 +115,10 @@ def plan_runs(args: Args, train_flags: list[str]) -> list[Run]:
             run = Run(variant, seed, flags, parse_config(flags))
             saved = run.dir / "config.json"
             if saved.is_file():
+                # Reused as finished: its length must match too, the rest of how it ran need not.
                 check_settings(str(run.dir), json.loads(saved.read_text()), dataclasses.asdict(run.config),
-                               ignore=("resume", "threads"), remedy="remove it or choose another --out-dir")
+                               ignore=[k for k in rundir.MAY_CHANGE if k != "steps"],
+                               remedy="remove it or choose another --out-dir")
             runs.append(run)
     return runs
 

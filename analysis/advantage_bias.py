@@ -32,6 +32,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import rundir
 from config import parse_config
 from critic import load_value_model, response_values
 from data import prepare_data, sample_prompts, stream_seed
@@ -112,6 +113,7 @@ def build_missing(args: Args, cfg, paths: dict, engine, tokenizer, records, grad
     if args.orm is None and not os.path.exists(paths["orm"]):
         prepare_orm(dataclasses.replace(cfg, critic_init="rm"), paths["sft"], engine, tokenizer, records, grader)
     if args.critic is None and not os.path.exists(paths["pretrained"]) and cfg.value_pretrain_steps > 0:
+        rundir.prepare(cfg, is_main=True)  # the run directory records the settings of what goes in it
         torch.manual_seed(cfg.seed)  # the fresh head, as in train.main
         critic = load_value_model(prepare_orm(cfg, paths["sft"], engine, tokenizer, records, grader))
         optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr, weight_decay=0.0)
@@ -311,6 +313,8 @@ def main(args: Args, train_argv: list[str] = ()) -> BiasResult:
     torch.set_num_threads(min(2, torch.get_num_threads()))
     check_args(args)
     cfg = parse_config(list(train_argv))
+    if args.critic is None:
+        rundir.check(cfg)  # the run's value-pretrained critic belongs to the settings in its config.json
     paths = default_paths(args, cfg)
     if args.build and args.sft is None:
         paths["sft"] = prepare_sft(cfg)  # train.py's SFT stage (cached)

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from common import tiny_actor, write_result
 from critic import load_value_model
-from fsdp_utils import (all_reduce_sum, close_distributed, export_hf_checkpoint, init_distributed,
+from fsdp_utils import (all_reduce, close_distributed, export_hf_checkpoint, init_distributed,
                         iter_full_weights, load_checkpoint, reduce_metrics, save_checkpoint, shard_model)
 from ppo import masked_whiten
 from rollout import HFRollout
@@ -63,13 +63,13 @@ def step(model, opt, rows, sharded=True):
     """One update with the loss normalised by the GLOBAL token count (FSDP sums the gradients)."""
     count = mask[rows, 1:].sum().float()
     if sharded:
-        all_reduce_sum(count)
+        all_reduce(count)
     loss = loss_sum(model, rows) / count
     opt.zero_grad()
     loss.backward()
     opt.step()
     loss = loss.detach()
-    return (all_reduce_sum(loss) if sharded else loss).item()
+    return (all_reduce(loss) if sharded else loss).item()
 
 
 def full_grads(model):
