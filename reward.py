@@ -353,10 +353,11 @@ def score_rollout(batch, texts: list[str], prompts: list[dict], grader: Grader, 
     import torch
 
     graded = grader.grade(texts, [p["answer"] for p in prompts])
-    scores = torch.tensor(graded.rewards, dtype=torch.float32)
+    device = batch.response_mask.device
+    scores = torch.tensor(graded.rewards, dtype=torch.float32, device=device)
     if cfg.truncation_reward is not None:
-        truncated = torch.tensor([f == "length" for f in batch.finish_reasons])
-        scores = torch.where(truncated, torch.tensor(float(cfg.truncation_reward)), scores)
+        truncated = torch.tensor([f == "length" for f in batch.finish_reasons], device=device)
+        scores = torch.where(truncated, float(cfg.truncation_reward), scores)
     token_rewards = torch.zeros_like(batch.response_mask)
     token_rewards[torch.arange(len(batch)), batch.lengths - 1] = scores
     counts = {"timeouts": graded.num_timeouts, "missing_box": graded.num_missing_box}

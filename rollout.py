@@ -74,6 +74,11 @@ class RolloutBatch:
         for micro_rows in by_length.split(size):
             yield micro_rows, self.select(micro_rows).trim()
 
+    def to(self, device) -> "RolloutBatch":
+        """The same batch with its tensors on `device` (where the trained models are)."""
+        moved = {f.name: getattr(self, f.name).to(device) for f in fields(self) if f.name != "finish_reasons"}
+        return RolloutBatch(**moved, finish_reasons=self.finish_reasons)
+
     def select(self, index) -> "RolloutBatch":
         """Rows `index` (a slice, list or tensor of row numbers); padding widths are kept."""
         if isinstance(index, slice):
@@ -214,6 +219,7 @@ class VLLMRollout:
             raise ValueError(f"tensor_parallel_size {self.tp} must divide the world size {world}")
         self.dp_rank = self.rank // self.tp
         on_gpu = torch.cuda.is_available()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
         if on_gpu and "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
             raise ValueError("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True breaks vLLM sleep mode (vLLM #14189)")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # collective_rpc in this process (vLLM #15349)
@@ -307,7 +313,7 @@ class VLLMRollout:
             response_mask=response_mask,
             logprobs=logprobs,
             finish_reasons=["stop" if c.finish_reason == "stop" else "length" for c in completions],
-        )
+        ).to(self.device)  # built on the CPU; the trainer's models are on this rank's GPU
 
     def sync_weights(self, model: torch.nn.Module, bucket_bytes: int = 1 << 30) -> None:
         """Load `model`'s current weights (sharded or not) into the engine.

@@ -137,3 +137,15 @@ def test_micro_batches_group_rows_of_similar_length():
     micro = list(batch.micro_batches(torch.tensor([0, 1, 2, 3, 4]), 2))
     assert [rows.tolist() for rows, _ in micro] == [[1, 3], [4, 2], [0]]
     assert [m.response_ids.shape[1] for _, m in micro] == [2, 6, 7]
+
+
+def test_rollout_batch_moves_every_tensor_to_the_trainers_device():
+    """vLLM builds its batch on the CPU; the trainer's models may sit on a GPU (here: "meta")."""
+    from rollout import RolloutBatch
+
+    ones = torch.ones(2, 3)
+    batch = RolloutBatch(ones.long(), ones.long(), ones.long(), ones, ones, ["stop", "length"])
+    moved = batch.to("meta")
+    assert all(getattr(moved, name).device.type == "meta"
+               for name in ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "logprobs"))
+    assert moved.finish_reasons == batch.finish_reasons and batch.response_mask.device.type == "cpu"
