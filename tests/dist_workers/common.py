@@ -38,14 +38,21 @@ def run_torchrun(script: str, out_dir: str, *args: str, nproc: int = 2, timeout:
     Workers always run in a child process: vLLM changes process-wide state (thread binding,
     `torch.set_num_threads`) that must not leak into the other tests.
     """
-    with socket.socket() as s:  # a free port: other test runs may hold torchrun's default
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    launcher = ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                "--master_addr", "127.0.0.1", "--master_port", str(port)] if nproc else []
-    cmd = [sys.executable, *launcher, os.path.join(REPO, "tests", "dist_workers", script), out_dir, *args]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    for attempt in range(2):
+        with socket.socket() as s:  # a free port: other test runs may hold torchrun's default
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        launcher = ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                    "--master_addr", "127.0.0.1", "--master_port", str(port)] if nproc else []
+        cmd = [sys.executable, *launcher, os.path.join(REPO, "tests", "dist_workers", script), out_dir, *args]
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+        # A rank of fsdp_worker.py aborted in C++ (std::terminate, no Python error) in about 1 of 30
+        # runs on the 2-core machine; 24 direct runs did not reproduce it. Run once more, and say so.
+        if attempt == 0 and proc.returncode != 0 and "terminate called without an active exception" in proc.stderr:
+            print(f"{script}: a rank aborted in C++ (std::terminate); running it once more", file=sys.stderr)
+            continue
+        break
     if proc.returncode != 0:
         raise AssertionError(f"{script} failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     results = []
