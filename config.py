@@ -248,8 +248,9 @@ def check_settings(where: str, stored: dict, wanted: dict, ignore=(), remedy: st
         raise SystemExit(f"error: {where} was made with other settings ({shown}{more}); {remedy}")
 
 
-def world_size(cfg: Config) -> int:
-    """torchrun's WORLD_SIZE; one process without torchrun, except that --plan then sizes 16 GPUs."""
+def launch_world_size(cfg: Config) -> int:
+    """The world size this command was launched with, read before any process group exists:
+    torchrun's WORLD_SIZE; one process without torchrun, except that --plan then sizes 16 GPUs."""
     return int(os.environ.get("WORLD_SIZE", 16 if cfg.plan else 1))
 
 
@@ -266,7 +267,7 @@ def parse_config(argv: list[str], description: str | None = None) -> Config:
         raise SystemExit(f"error: --preset must be one of {sorted(PRESETS)}, got {preset!r}")
     cfg = tyro.cli(Config, default=PRESETS[preset], args=argv, description=description)
     try:
-        cfg.validate(world_size=world_size(cfg))
+        cfg.validate(world_size=launch_world_size(cfg))
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
     if cfg.run_name is None:

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from data import stream_seed
+from fsdp_utils import rank, world_size
 from reward import pass_at_k, score_rollout
 from rollout import decode_responses
 
@@ -21,8 +22,7 @@ def evaluate(cfg, engine, tokenizer, records, grader, tag: str) -> dict:
     """Sample, grade and summarise; `tag` only labels the progress bar. Under torchrun each rank
     samples its share of the prompts and the results are gathered: the same summary on every rank."""
     n = cfg.eval_samples
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    mine, counts = share_of_records(len(records), rank, world)
+    mine, counts = share_of_records(len(records), rank(), world_size())
     todo = [(i, c) for i, c in zip(mine, counts) for _ in range(n)]  # each prompt n times, side by side
     chunk = max(n, (cfg.prompts_per_step * cfg.samples_per_prompt) // n * n)
     rows = []  # (record index, correct, length, truncated, text) of every sample that counts
@@ -40,7 +40,7 @@ def evaluate(cfg, engine, tokenizer, records, grader, tag: str) -> dict:
                 rows.append((i, scores[j].item() > 0, batch.lengths[j].item(), batch.finish_reasons[j] == "length",
                              texts[j] if i < 8 else ""))
     if dist.is_initialized():
-        gathered = [None] * dist.get_world_size()
+        gathered = [None] * world_size()
         dist.all_gather_object(gathered, rows)
         rows = sorted((row for part in gathered for row in part), key=lambda row: row[0])  # stable
     flat = [records[row[0]] for row in rows]

@@ -72,7 +72,7 @@ def close_distributed() -> None:
 def all_reduce(value: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """Sum (or `op`) over ranks, in place; identity in a single process. NCCL reduces GPU tensors
     only: a CPU tensor (vLLM's rollout masks, metrics) goes through this rank's GPU and back."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if world_size() > 1:
         on_wire = value
         if dist.get_backend() == "nccl" and value.device.type != "cuda":
             on_wire = value.to(torch.device("cuda", torch.cuda.current_device()))
@@ -88,15 +88,14 @@ def reduce_metrics(metrics: dict, sums=(), maxes=()) -> dict:
     for means over rows (each rank holds as many rows, config.validate); token-weighted means
     (advantage, values, explained variance) become the mean of the ranks' values. Every rank gets
     the same numbers, so decisions taken on them (stop, raise) agree. Identity in one process."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if world_size() == 1:
         return dict(metrics)
     keys = sorted(metrics)  # the same order on every rank
     values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
     is_max = torch.tensor([k in maxes for k in keys])
     summed = all_reduce(torch.where(is_max, 0.0, values))
     largest = all_reduce(torch.where(is_max, values, -torch.inf), op=dist.ReduceOp.MAX)
-    world = dist.get_world_size()
-    return {k: (largest[i] if k in maxes else summed[i] if k in sums else summed[i] / world).item()
+    return {k: (largest[i] if k in maxes else summed[i] if k in sums else summed[i] / world_size()).item()
             for i, k in enumerate(keys)}
 
 
@@ -162,11 +161,11 @@ def save_checkpoint(path: str, models: dict, optimizers: dict, extra: dict) -> N
         model_sd, optim_sd = get_state_dict(model, optimizers[name])
         state[name] = {"model": model_sd, "optim": optim_sd}
     tmp = path + ".tmp"
-    if _rank() == 0:  # a complete tmp left by a killed save must not mix with this one's files
+    if rank() == 0:  # a complete tmp left by a killed save must not mix with this one's files
         shutil.rmtree(tmp, ignore_errors=True)
     barrier()
     dcp.save(state, checkpoint_id=tmp)
-    if _rank() == 0:
+    if rank() == 0:
         torch.save(extra, os.path.join(tmp, "extra.pt"))
         if os.path.exists(path):
             shutil.rmtree(path + ".old", ignore_errors=True)  # half deleted by a kill: path is newer
@@ -174,6 +173,13 @@ def save_checkpoint(path: str, models: dict, optimizers: dict, extra: dict) -> N
         os.replace(tmp, path)
         shutil.rmtree(path + ".old", ignore_errors=True)
     barrier()
+
+
+def remove_checkpoint(path: str) -> None:
+    """Delete what `save_checkpoint(path, ...)` left, a killed save's leftovers included (rank 0)."""
+    if rank() == 0:
+        for leftover in (path, path + ".tmp", path + ".old"):
+            shutil.rmtree(leftover, ignore_errors=True)
 
 
 def latest_checkpoint(path: str) -> str | None:
@@ -255,7 +261,7 @@ def export_hf_checkpoint(
         if len(plan) == 1
         else [f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))]
     )
-    tmp, is_main = path + ".tmp", _rank() == 0
+    tmp, is_main = path + ".tmp", rank() == 0
     if is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
@@ -306,7 +312,8 @@ def _bucket_plan(model, state: dict, bucket_bytes: int, dtype) -> list[list[str]
     return plan + [bucket] if bucket else plan
 
 
-def _rank() -> int:
+def rank() -> int:
+    """This process's rank under torchrun; 0 in one process."""
     return dist.get_rank() if dist.is_initialized() else 0
 
 

@@ -378,12 +378,10 @@ def prepare_orm(cfg, sft_path: str, engine, tokenizer, records: list[dict], grad
         return sft_path
     from tqdm import tqdm
 
-    import torch.distributed as dist
-
     from config import check_settings
     from critic import load_value_model
     from data import sample_prompts, stream_seed
-    from fsdp_utils import export_hf_checkpoint
+    from fsdp_utils import export_hf_checkpoint, rank, world_size
     from rollout import decode_responses
 
     path = os.path.join(cfg.out_dir, "_shared", "orm" if cfg.model is None else f"orm-{cfg.run_name}")
@@ -394,7 +392,7 @@ def prepare_orm(cfg, sft_path: str, engine, tokenizer, records: list[dict], grad
             with open(saved) as f:
                 check_settings(path, json.load(f), settings, remedy="delete it to train a new one")
         return path
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if world_size() > 1:
         # train_orm is a single-process trainer (whole model, whole batch): under torchrun each rank
         # would train its own ORM on its share of the samples. Train it once, then reuse the cache.
         raise SystemExit(f"error: --critic-init rm under torchrun needs a trained outcome reward model at {path} "
@@ -411,7 +409,7 @@ def prepare_orm(cfg, sft_path: str, engine, tokenizer, records: list[dict], grad
     model = load_value_model(sft_path)
     history = train_orm(model, batches, labels, steps=cfg.orm_steps, lr=cfg.orm_lr)
     export_hf_checkpoint(model, tokenizer, path)
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if rank() == 0:
         with open(os.path.join(path, "orm_settings.json"), "w") as f:
             json.dump(settings, f, indent=2)
     last = history[-1]

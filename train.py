@@ -26,7 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import fsdp_utils
 import rundir
-from config import Config, parse_config, world_size
+from config import Config, launch_world_size, parse_config
 from critic import assert_finite, load_value_model, response_values
 from data import DataError, prepare_data, sample_prompts, stream_seed
 from evaluate import evaluate
@@ -188,7 +188,7 @@ def print_plan(cfg: Config) -> None:
     if cfg.model is not None:
         shape = memory_plan.ModelShape.from_config(AutoConfig.from_pretrained(prepare_sft(cfg)))  # checks --model
     print(memory_plan.plan(
-        shape, world_size(cfg),
+        shape, launch_world_size(cfg),
         tensor_parallel_size=cfg.tensor_parallel_size,
         micro_batch_tokens=cfg.micro_batch_size * (cfg.max_prompt_tokens + cfg.max_new_tokens),
         gpu_memory_utilization=cfg.gpu_memory_utilization, mixed_precision=cfg.mixed_precision,

@@ -16,14 +16,13 @@ from __future__ import annotations
 import functools
 import json
 import os
-import shutil
 
-import torch.distributed as dist
 from tqdm import tqdm
 
 from critic import assert_finite, response_values
 from data import sample_prompts, stream_seed
-from fsdp_utils import export_hf_checkpoint, latest_checkpoint, load_checkpoint, reduce_metrics, save_checkpoint
+from fsdp_utils import (export_hf_checkpoint, latest_checkpoint, load_checkpoint, rank, reduce_metrics,
+                        remove_checkpoint, save_checkpoint)
 from gae import compute_gae
 from ppo import explained_variance, micro_batched_forward, update_model, value_loss
 from reward import score_rollout
@@ -91,11 +90,10 @@ def pretrain_value(cfg, critic, critic_optimizer, engine, tokenizer, records, gr
         if (step + 1) % cfg.save_every == 0:
             save_checkpoint(ckpt, {"critic": critic}, {"critic": critic_optimizer}, {"history": history})
     export_hf_checkpoint(critic, None, os.path.join(out_dir, "critic"))  # collective under torchrun
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if rank() == 0:
         with open(os.path.join(out_dir, "curve.jsonl"), "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in history)
-        for leftover in (ckpt, ckpt + ".tmp", ckpt + ".old"):  # the exported critic supersedes them
-            shutil.rmtree(leftover, ignore_errors=True)
+    remove_checkpoint(ckpt)  # the exported critic supersedes it
     return history
 
 
