@@ -13,15 +13,20 @@ paper's main baseline). Tensor conventions are DESIGN.md's: [B, T], right-padded
 every generated token, outputs exactly 0 on padding.
 
 `gae_reference` and `eq8_advantages` are plain loops that read like the equations. The fast
-path computes R_t of Eq. (7) as the recursive lambda-return (Eq. 6 summed by parts)
+paths compute R_t of Eq. (7) as the recursive lambda-return (Eq. 6 summed by parts)
     R_t = r_t + gamma (1 - lam) V(s_{t+1}) + gamma lam R_{t+1},     A_t = R_t - V(s_t),
 which is the same number without the deltas' telescoping cancellation (at lam = 1 it is the
-plain reward sum, so float32 error does not grow with T), and evaluates the recursion with a
-chunked scan of matrix products: no Python loop over tokens.
+plain reward sum, so error does not grow with T). No Python loop over tokens:
+- CPU: that recursion as a loop compiled by numba, one pass that reads each input once, checks
+  it as it goes, and carries both lambdas in float64 (the memory bound is the goal here);
+- GPU, or when autograd needs a graph: a chunked scan of matrix products (a few batched matmuls
+  instead of T dependent steps).
 """
 
 import functools
 
+import numba
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -39,17 +44,22 @@ CHUNK = 16
 def compute_gae(rewards, values, mask, gamma=1.0, lam=0.95):
     """GAE, Eq. (5)-(7). lam is a float or a float tensor [B] (one lambda per response).
     Returns (advantages, returns), both [B, T] and 0 on padding."""
-    mask = _check(rewards, values, mask, gamma)
-    ret = _lambda_return(rewards * mask, values, mask, gamma, _lam(lam, mask.shape[0], "lam"))
+    lam = _lam(lam, _check_shapes(rewards, values, mask, gamma), "lam")
+    if _compiled_loop_applies(rewards, values, mask):
+        return _compiled_gae(rewards, values, mask, gamma, lam, lam)
+    mask = _check_contents(rewards, values, mask)
+    ret = _lambda_return(rewards * mask, values, mask, gamma, lam)
     return torch.addcmul(ret, values, mask, value=-1), ret
 
 
 def decoupled_gae(rewards, values, mask, gamma=1.0, lam_actor=0.95, lam_critic=1.0):
     """Decoupled GAE (§3.3): advantages A(lam_actor), critic targets R = A(lam_critic) + V.
     lam_actor/lam_critic: float or float tensor [B]. Returns (advantages, returns), 0 on padding."""
-    mask = _check(rewards, values, mask, gamma)
-    batch = mask.shape[0]
+    batch = _check_shapes(rewards, values, mask, gamma)
     lam_actor, lam_critic = _lam(lam_actor, batch, "lam_actor"), _lam(lam_critic, batch, "lam_critic")
+    if _compiled_loop_applies(rewards, values, mask):
+        return _compiled_gae(rewards, values, mask, gamma, lam_actor, lam_critic)
+    mask = _check_contents(rewards, values, mask)
     # One scratch buffer holds the critic's scan input, then the actor's: at long-CoT sizes a
     # fresh [B, T] buffer costs about as much as the arithmetic (bench/gae_bench.py). Each input
     # is rebuilt from r * mask, so neither result depends, even in rounding, on the other lambda.
@@ -130,14 +140,20 @@ def nstep_return(rewards, values, t, h, gamma=1.0):
     return sum(gamma**l * rewards[t + l] for l in range(h)) + gamma**h * bootstrap
 
 
-# --- the fast scan -----------------------------------------------------------------------------
+# --- input checks shared by both fast paths ---------------------------------------------------
 
 
-def _check(rewards, values, mask, gamma):
-    """Validate the inputs; return the mask in the values' dtype."""
-    check_masked_inputs(mask, right_padded=True, rewards=rewards, values=values)
+def _check_shapes(rewards, values, mask, gamma):
+    """Types, shapes and gamma (cheap); returns the batch size."""
+    check_masked_inputs(mask, right_padded=True, contents=False, rewards=rewards, values=values)
     if not 0 <= gamma <= 1:
         raise ValueError(f"gamma must be in [0, 1], got {gamma}")
+    return mask.shape[0]
+
+
+def _check_contents(rewards, values, mask):
+    """Finite inputs, binary right-padded mask; returns the mask in the values' dtype."""
+    check_masked_inputs(mask, right_padded=True, rewards=rewards, values=values)
     return mask.to(values.dtype)
 
 
@@ -152,6 +168,67 @@ def _lam(lam, batch, name):
     if not 0 <= lam <= 1:
         raise ValueError(f"{name} must be in [0, 1], got {lam}")
     return float(lam)
+
+
+# --- CPU: the recursion, compiled (bench/gae_bench.py: about 2x the time of copying the tensors) --
+
+
+def _compiled_loop_applies(rewards, values, mask):
+    """CPU tensors of one float32/float64 dtype that autograd does not need to track."""
+    dtype = values.dtype
+    return (
+        all(x.device.type == "cpu" for x in (rewards, values, mask))
+        and dtype in (torch.float32, torch.float64)
+        and rewards.dtype == dtype
+        and mask.dtype in (torch.bool, dtype)
+        and not (torch.is_grad_enabled() and (rewards.requires_grad or values.requires_grad))
+    )
+
+
+def _compiled_gae(rewards, values, mask, gamma, lam_actor, lam_critic):
+    """Run _lambda_returns_loop; on a bad input the full check names the argument."""
+    advantages, returns = torch.empty_like(values), torch.empty_like(values)
+    lams = [np.full(mask.shape[0], lam) if isinstance(lam, float) else lam.cpu().numpy() for lam in (lam_actor, lam_critic)]
+    inputs = [x.detach().numpy() for x in (rewards, values, mask)]
+    if not _lambda_returns_loop(*inputs, float(gamma), *lams, advantages.numpy(), returns.numpy()):
+        check_masked_inputs(mask, right_padded=True, rewards=rewards, values=values)  # raises
+        raise AssertionError("gae's compiled loop rejected inputs that check_masked_inputs accepts")
+    return advantages, returns
+
+
+@numba.njit(cache=True, nogil=True, fastmath={"contract"})  # contract: fused multiply-adds
+def _lambda_returns_loop(rewards, values, mask, gamma, lam_actor, lam_critic, advantages, returns):
+    """Right to left over each response: R_t for lam_actor and lam_critic in float64 (Eq. 6-7 by
+    parts), A_t = R_t(lam_actor) - V(s_t), both 0 on padding. Returns False, leaving the outputs
+    partly written, on a NaN/inf input or a mask row that is not ones-then-zeros."""
+    for b in range(rewards.shape[0]):
+        r_row, v_row, m_row, adv_row, ret_row = rewards[b], values[b], mask[b], advantages[b], returns[b]
+        decay_actor, decay_critic = gamma * lam_actor[b], gamma * lam_critic[b]
+        bootstrap_actor, bootstrap_critic = gamma - decay_actor, gamma - decay_critic  # gamma (1 - lam)
+        ret_actor = ret_critic = next_value = 0.0  # V(s_L) = 0 after the last token
+        in_response = False
+        nonfinite = 0.0  # x * 0 is NaN iff x is NaN or inf: a running sum checks without a branch
+        for t in range(rewards.shape[1] - 1, -1, -1):
+            r, v, m = r_row[t], v_row[t], m_row[t]
+            nonfinite += r * 0.0 + v * 0.0
+            if m == 1:  # R_t = r_t + gamma (1 - lam) V(s_{t+1}) + gamma lam R_{t+1}
+                ret_actor = r + bootstrap_actor * next_value + decay_actor * ret_actor
+                ret_critic = r + bootstrap_critic * next_value + decay_critic * ret_critic
+                adv_row[t] = ret_actor - v
+                ret_row[t] = ret_critic
+                next_value = v
+                in_response = True
+            elif m == 0 and not in_response:  # padding: its values reach no output (verl PR #50)
+                adv_row[t] = 0.0
+                ret_row[t] = 0.0
+            else:  # not 0/1, or a 0 inside the response
+                return False
+        if nonfinite != 0.0:
+            return False
+    return True
+
+
+# --- GPU and autograd: the recursion as a chunked scan ------------------------------------------
 
 
 def _lambda_return(x, values, mask, gamma, lam):

@@ -14,8 +14,10 @@ truncates what is sampled), the same quantity `ppo.response_logprobs` recomputes
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import sys
 import warnings
 from dataclasses import dataclass, fields
 
@@ -238,18 +240,21 @@ class VLLMRollout:
             memory["distributed_executor_backend"] = "external_launcher"
             if world > self.tp:
                 memory["data_parallel_size"] = world // self.tp
-        self.llm = vllm.LLM(
-            model=model_path,
-            tensor_parallel_size=self.tp,
-            max_model_len=max_model_len,
-            seed=seed,
-            load_format=load_format,
-            enforce_eager=enforce_eager,
-            skip_tokenizer_init=True,  # token ids in, token ids out
-            generation_config="vllm",  # no sampling defaults from the checkpoint: ours are explicit
-            logprobs_mode="processed_logprobs",  # after temperature, as the trainer recomputes them
-            **memory,
-        )
+        # vLLM 0.32's CPU worker scans every loaded module for Triton kernels to override and fails
+        # on llvmlite's `ffi.lib` (loaded by numba, which gae.py uses): hide that one module meanwhile.
+        with _module_hidden("llvmlite.binding.ffi"):
+            self.llm = vllm.LLM(
+                model=model_path,
+                tensor_parallel_size=self.tp,
+                max_model_len=max_model_len,
+                seed=seed,
+                load_format=load_format,
+                enforce_eager=enforce_eager,
+                skip_tokenizer_init=True,  # token ids in, token ids out
+                generation_config="vllm",  # no sampling defaults from the checkpoint: ours are explicit
+                logprobs_mode="processed_logprobs",  # after temperature, as the trainer recomputes them
+                **memory,
+            )
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
         self.can_sleep, self.asleep, self.needs_weights = on_gpu, False, load_format == "dummy"
@@ -372,3 +377,14 @@ def _expected_reload_warnings(record: logging.LogRecord) -> bool:
     rotary table, a tied head): it fires on every reload. Other layers still warn."""
     return not (record.getMessage().endswith("Failed to load weights")
                 and record.getMessage().startswith(("RotaryEmbedding", "ParallelLMHead")))
+
+
+@contextlib.contextmanager
+def _module_hidden(name):
+    """Leave the module out of sys.modules inside the block (it stays loaded and referenced)."""
+    module = sys.modules.pop(name, None)
+    try:
+        yield
+    finally:
+        if module is not None:
+            sys.modules[name] = module

@@ -2,8 +2,9 @@
 
 For B=64, T=8192 (half the rows padded to random lengths) and B=16, T=32768 it times the
 reference loop over tokens (`gae.gae_reference`, once per lambda, as decoupled GAE needs both),
-the chunked scan `gae.decoupled_gae`, and a memory bound: cloning the three inputs and the two
-outputs once.
+`gae.decoupled_gae` (on CPU inputs: the compiled one-pass loop), and a memory bound: cloning the
+three inputs and the two outputs once. For comparison it also times the chunked scan that GPU
+inputs take, forced here on the CPU (`--chunk` sets its chunk size).
 
 CPU timings of fresh [B, T] buffers depend on the allocator: by default glibc hands freed memory
 back to the OS, so every new 2 MB buffer page-faults, which costs more than the arithmetic and
@@ -56,20 +57,33 @@ def time_loop(batch, repeats):
     return statistics.median(times)
 
 
+def chunked_scan(rewards, values, mask):
+    """decoupled_gae through the chunked scan, as GPU inputs run it."""
+    compiled_loop_applies = gae._compiled_loop_applies
+    gae._compiled_loop_applies = lambda *tensors: False
+    try:
+        return gae.decoupled_gae(rewards, values, mask, 1.0, 0.95, 1.0)
+    finally:
+        gae._compiled_loop_applies = compiled_loop_applies
+
+
 def time_fast_and_copy(batch, repeats):
-    """Median and min seconds of decoupled_gae and of the copy bound, alternated so both meet
-    the same allocator and cache state, after one warm-up call each."""
+    """Median and min seconds of decoupled_gae, of the copy bound and of the chunked scan,
+    alternated so that all meet the same allocator and cache state, after one warm-up call each."""
     rewards, values, mask = batch
     fast = lambda: gae.decoupled_gae(rewards, values, mask, 1.0, 0.95, 1.0)  # noqa: E731
     copy = lambda: [x.clone() for x in (rewards, values, mask, rewards, values)]  # noqa: E731
-    fast(), copy()
-    times = {fast: [], copy: []}
+    scan = lambda: chunked_scan(rewards, values, mask)  # noqa: E731
+    fns = (fast, copy, scan)
+    times = {fn: [] for fn in fns}
+    for fn in fns:
+        fn()
     for _ in range(repeats):
-        for fn in (copy, fast):
+        for fn in fns:
             start = time.perf_counter()
             fn()
             times[fn].append(time.perf_counter() - start)
-    return [(statistics.median(times[fn]), min(times[fn])) for fn in (fast, copy)]
+    return [(statistics.median(times[fn]), min(times[fn])) for fn in fns]
 
 
 def keep_freed_memory():
@@ -85,7 +99,7 @@ def keep_freed_memory():
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: robust to a shared CPU)")
-    parser.add_argument("--chunk", type=int, default=gae.CHUNK, help="scan chunk size (gae.CHUNK)")
+    parser.add_argument("--chunk", type=int, default=gae.CHUNK, help="chunk size of the chunked scan (gae.CHUNK)")
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per measurement")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -105,12 +119,13 @@ def main():
             print("mallopt unavailable: skipping the keep-freed allocator run")
             break
         for shape, batch in batches.items():
-            (fast, fast_min), (copy, copy_min) = time_fast_and_copy(batch, args.repeats)
+            (fast, fast_min), (copy, copy_min), (scan, _) = time_fast_and_copy(batch, args.repeats)
             results[mode, shape] = (loop[shape] / fast, fast / copy)
             print(
                 f"[{mode:10s}] B={shape[0]:3d} T={shape[1]:6d}: decoupled_gae {fast * 1e3:6.2f} ms (min "
                 f"{fast_min * 1e3:.2f}) | copy bound {copy * 1e3:5.2f} ms (min {copy_min * 1e3:.2f}) | "
-                f"speedup {loop[shape] / fast:5.0f}x | over copy {fast / copy:5.2f}",
+                f"speedup {loop[shape] / fast:5.0f}x | over copy {fast / copy:5.2f} | "
+                f"chunked scan {scan * 1e3:5.2f} ms ({scan / copy:.2f} over copy)",
                 flush=True,
             )
 

@@ -1,4 +1,5 @@
-"""Tests for gae.py: the chunked scan against the plain loop, closed forms, Eq. (8), GRPO, input checks."""
+"""Tests for gae.py: both fast paths (the compiled CPU loop and the chunked scan) against the plain
+loop, closed forms, Eq. (8), GRPO, input checks."""
 
 import pytest
 import torch
@@ -14,6 +15,15 @@ from gae import (
 )
 
 torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True, params=["compiled", "scan"])
+def fast_path(request, monkeypatch):
+    """Every test runs on both fast paths: the compiled loop that CPU inputs take, and the chunked
+    scan that GPU inputs (and autograd) take, here forced on the CPU."""
+    if request.param == "scan":
+        monkeypatch.setattr(gae, "_compiled_loop_applies", lambda *tensors: False)
+    return request.param
 
 
 def make_batch(batch, length, seed=0, dtype=torch.float32, garbage_padding=True):
@@ -185,8 +195,11 @@ def _good():
         (lambda r, v, m: (r, v, m * 0.5), "mask must be binary"),
         (lambda r, v, m: (r, v, m + 1), "mask must be binary"),
         (lambda r, v, m: (r, v, m.flip(1)), "right-padded"),
+        (lambda r, v, m: (r, v, m.index_put((torch.tensor([0]), torch.tensor([4])), torch.tensor(0.0))), "right-padded"),
+        (lambda r, v, m: (r, v, torch.full_like(m, float("nan"))), "mask must be binary"),
         (lambda r, v, m: (r.index_put((torch.tensor([0]), torch.tensor([0])), torch.tensor(float("nan"))), v, m), "rewards contains NaN"),
         (lambda r, v, m: (r, v.index_put((torch.tensor([1]), torch.tensor([2])), torch.tensor(float("inf"))), m), "values contains NaN"),
+        (lambda r, v, m: (r, v.index_put((torch.tensor([1]), torch.tensor([9])), torch.tensor(float("-inf"))), m), "values contains NaN"),
         (lambda r, v, m: (r.long(), v, m), "rewards must be a floating-point"),
         (lambda r, v, m: (r, v, m[0]), "mask must be a 2-D"),
     ],
@@ -240,3 +253,30 @@ def test_gae_is_differentiable_in_values_even_after_an_inference_mode_call():
         decoupled_gae(rewards, values, mask, 0.9, 0.8, 1.0)
     values = values.clone().requires_grad_(True)
     assert torch.autograd.gradcheck(lambda v: decoupled_gae(rewards, v, mask, 0.9, 0.8, 1.0), (values,))
+
+
+def test_cpu_inputs_take_the_compiled_loop_and_others_the_scan(fast_path):
+    rewards, values, mask = _good()
+    if fast_path == "scan":
+        pytest.skip("about the dispatch itself")
+    assert gae._compiled_loop_applies(rewards, values, mask)
+    assert gae._compiled_loop_applies(rewards.double(), values.double(), mask.bool())
+    assert not gae._compiled_loop_applies(rewards.bfloat16(), values.bfloat16(), mask)
+    assert not gae._compiled_loop_applies(rewards, values.double(), mask)
+    assert not gae._compiled_loop_applies(rewards, values.requires_grad_(True), mask)
+    with torch.no_grad():
+        assert gae._compiled_loop_applies(rewards, values, mask)
+
+
+def test_strided_views_and_odd_dtypes_give_the_contiguous_answer():
+    rewards, values, mask = make_batch(6, 40, seed=13)
+    expected = decoupled_gae(rewards, values, mask, 0.99, 0.9, 1.0)
+    wide = [torch.stack([x, x], dim=2)[:, :, 1] for x in (rewards, values, mask)]  # stride 2 along T
+    assert not wide[0].is_contiguous()
+    strided = decoupled_gae(*wide, 0.99, 0.9, 1.0)
+    assert torch.equal(strided[0], expected[0]) and torch.equal(strided[1], expected[1])
+    integer_mask = decoupled_gae(rewards, values, mask.long(), 0.99, 0.9, 1.0)  # the scan, on any path
+    assert all((got - want).abs().max() <= 1e-6 for got, want in zip(integer_mask, expected))
+    low = decoupled_gae(rewards.bfloat16(), values.bfloat16(), mask.bfloat16(), 0.99, 0.9, 1.0)
+    ref = decoupled_gae(rewards.bfloat16().float(), values.bfloat16().float(), mask, 0.99, 0.9, 1.0)
+    assert low[0].dtype == torch.bfloat16 and (low[0].float() - ref[0]).abs().max() <= 0.1

@@ -17,6 +17,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+import gae  # noqa: F401  (as in train.py: numba's llvmlite is loaded when vLLM's CPU worker starts)
 from common import PROMPTS, tiny_actor, write_result
 from fsdp_utils import export_hf_checkpoint, init_distributed, iter_full_weights, shard_model
 from rollout import HFRollout, VLLMRollout
