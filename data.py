@@ -207,10 +207,10 @@ def sample_prompts(records: list[dict], cfg, step: int, stream: str) -> list[dic
     torchrun the global batch of `prompts_per_step` prompts is split evenly across ranks.
     """
     import torch
-    import torch.distributed as dist
+
+    from fsdp_utils import rank, world_size
 
     generator = torch.Generator().manual_seed(stream_seed(cfg.seed, stream, step))
     picked = torch.randint(len(records), (cfg.prompts_per_step,), generator=generator).tolist()
-    if dist.is_initialized():
-        picked = picked[dist.get_rank() :: dist.get_world_size()]
+    picked = picked[rank() :: world_size()]
     return [records[i] for i in picked for _ in range(cfg.samples_per_prompt)]

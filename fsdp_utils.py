@@ -75,7 +75,7 @@ def all_reduce(value: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
     if world_size() > 1:
         on_wire = value
         if dist.get_backend() == "nccl" and value.device.type != "cuda":
-            on_wire = value.to(torch.device("cuda", torch.cuda.current_device()))
+            on_wire = value.to(local_device())
         dist.all_reduce(on_wire, op=op)
         if on_wire is not value:
             value.copy_(on_wire)
@@ -320,6 +320,11 @@ def rank() -> int:
 def world_size() -> int:
     """torchrun's number of ranks; 1 in one process."""
     return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def local_device() -> torch.device:
+    """This rank's GPU (the one init_distributed selected), or the CPU where there is none."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def barrier() -> None:

@@ -43,10 +43,11 @@ def last_boxed(text: str) -> str | None:
     opens = list(_BOX_OPEN.finditer(text))
     if not opens:
         return None
-    start = opens[-1].end()
+    start = k = opens[-1].end()
     depth = 1
-    for k in range(start, len(text)):
-        if text[k - 1] == "\\":  # \{ and \} are literal braces (sets), not grouping
+    while k < len(text):
+        if text[k] == "\\":  # an escape: \{ and \} are literal braces (sets), \\ a line break
+            k += 2
             continue
         if text[k] == "{":
             depth += 1
@@ -55,6 +56,7 @@ def last_boxed(text: str) -> str | None:
             if depth == 0:
                 content = text[start:k].strip()
                 return content or None
+        k += 1
     return None
 
 
@@ -383,6 +385,7 @@ def prepare_orm(cfg, sft_path: str, engine, tokenizer, records: list[dict], grad
     from data import sample_prompts, stream_seed
     from fsdp_utils import export_hf_checkpoint, rank, world_size
     from rollout import decode_responses
+    from rundir import write_json
 
     path = os.path.join(cfg.out_dir, "_shared", "orm" if cfg.model is None else f"orm-{cfg.run_name}")
     settings = {k: getattr(cfg, k) for k in ORM_SETTINGS}
@@ -408,10 +411,13 @@ def prepare_orm(cfg, sft_path: str, engine, tokenizer, records: list[dict], grad
         labels.append(scores)
     model = load_value_model(sft_path)
     history = train_orm(model, batches, labels, steps=cfg.orm_steps, lr=cfg.orm_lr)
-    export_hf_checkpoint(model, tokenizer, path)
+    # The settings go in before the directory takes its final name: a kill never leaves a cache
+    # without them, which would be taken as it is.
+    staged = path + ".new"
+    export_hf_checkpoint(model, tokenizer, staged)
     if rank() == 0:
-        with open(os.path.join(path, "orm_settings.json"), "w") as f:
-            json.dump(settings, f, indent=2)
+        write_json(os.path.join(staged, "orm_settings.json"), settings)
+        os.replace(staged, path)
     last = history[-1]
     tqdm.write(f"ORM: {cfg.orm_steps} steps on {sum(map(len, batches))} graded samples, "
                f"loss {last['orm/loss']:.3f}, sign accuracy {last['orm/sign_accuracy']:.2f} -> {path}")

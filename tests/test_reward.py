@@ -59,6 +59,8 @@ def test_missing_unclosed_or_empty_box_scores_minus_one():
 def test_nested_braces_and_fbox_are_extracted():
     assert last_boxed("x \\boxed{\\frac{1}{\\sqrt{2}}} y") == "\\frac{1}{\\sqrt{2}}"
     assert last_boxed("\\boxed{\\{1, 2\\}}") == "\\{1, 2\\}"
+    assert last_boxed("\\boxed{a \\\\}") == "a \\\\"  # a line break \\ before the closing brace
+    assert last_boxed("\\boxed{\\\\{x}}") == "\\\\{x}"  # \\ then a group, not \\{
     assert last_boxed("\\boxed{1} and \\fbox{2}") == "2"
     assert rule_reward("\\fbox{\\frac{1}{\\sqrt{2}}}", "\\frac{\\sqrt{2}}{2}") == 1.0
 

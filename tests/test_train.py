@@ -63,6 +63,8 @@ def test_micro_pipeline_runs_every_stage_and_logs_every_step(out_dir, sft):
         assert key in rows[0], key
     assert (out_dir / "_shared" / "sft" / "config.json").exists()
     assert (out_dir / "_shared" / "orm" / "config.json").exists()
+    assert (out_dir / "_shared" / "orm" / "orm_settings.json").exists()  # in before the final rename
+    assert not (out_dir / "_shared" / "orm.new").exists()
     assert (run_dir / "value_pretrain" / "curve.jsonl").exists()
     assert (run_dir / "checkpoint").is_dir() and (run_dir / "summary.json").exists()
     assert 0.0 <= summary["ppo"]["pass@1"] <= summary["ppo"]["pass@2"] <= 1.0
