@@ -33,8 +33,8 @@ import torch.nn.functional as F
 from ppo import check_masked_inputs
 
 # Tokens per chunk of the scan: the work is B*T*CHUNK multiply-adds (dense triangular matrices)
-# over log_CHUNK(T) levels of recursion. 16 was fastest at T = 8k-32k, one thread, on the 2-core
-# development CPU (bench/gae_bench.py --chunk); a GPU may prefer a larger one.
+# over log_CHUNK(T) levels of recursion. 16 was the fastest on the 2-core development CPU at
+# T = 8k-32k (bench/gae_bench.py --chunk); untuned on GPUs, which may prefer a larger one.
 CHUNK = 16
 
 
@@ -61,7 +61,7 @@ def decoupled_gae(rewards, values, mask, gamma=1.0, lam_actor=0.95, lam_critic=1
         return _compiled_gae(rewards, values, mask, gamma, lam_actor, lam_critic)
     mask = _check_contents(rewards, values, mask)
     # One scratch buffer holds the critic's scan input, then the actor's: at long-CoT sizes a
-    # fresh [B, T] buffer costs about as much as the arithmetic (bench/gae_bench.py). Each input
+    # fresh [B, T] buffer cost about as much as the arithmetic on the CPU. Each input
     # is rebuilt from r * mask, so neither result depends, even in rounding, on the other lambda.
     scratch = rewards * mask
     ret = _lambda_return(scratch, values, mask, gamma, lam_critic)
@@ -187,16 +187,25 @@ def _compiled_loop_applies(rewards, values, mask):
 
 def _compiled_gae(rewards, values, mask, gamma, lam_actor, lam_critic):
     """Run _lambda_returns_loop; on a bad input the full check names the argument."""
-    advantages, returns = torch.empty_like(values), torch.empty_like(values)
+    advantages, returns = (torch.empty(values.shape, dtype=values.dtype) for _ in range(2))  # contiguous
     lams = [np.full(mask.shape[0], lam) if isinstance(lam, float) else lam.cpu().numpy() for lam in (lam_actor, lam_critic)]
     inputs = [x.detach().numpy() for x in (rewards, values, mask)]
     if not _lambda_returns_loop(*inputs, float(gamma), *lams, advantages.numpy(), returns.numpy()):
-        check_masked_inputs(mask, right_padded=True, rewards=rewards, values=values)  # raises
-        raise AssertionError("gae's compiled loop rejected inputs that check_masked_inputs accepts")
+        check_masked_inputs(mask, right_padded=True, rewards=rewards, values=values)  # names the culprit
+        raise ValueError("rewards/values hold NaN or inf, or mask is not ones-then-zeros in every row")
     return advantages, returns
 
 
-@numba.njit(cache=True, nogil=True, fastmath={"contract"})  # contract: fused multiply-adds
+def _compile(fn):
+    """numba.njit with fused multiply-adds, cached on disk where numba finds a writable place (next
+    to this file, else ~/.cache); with none (a read-only install and home), compiled per process."""
+    try:
+        return numba.njit(cache=True, nogil=True, fastmath={"contract"})(fn)
+    except RuntimeError:  # "cannot cache function ...: no locator available"
+        return numba.njit(nogil=True, fastmath={"contract"})(fn)
+
+
+@_compile
 def _lambda_returns_loop(rewards, values, mask, gamma, lam_actor, lam_critic, advantages, returns):
     """Right to left over each response: R_t for lam_actor and lam_critic in float64 (Eq. 6-7 by
     parts), A_t = R_t(lam_actor) - V(s_t), both 0 on padding. Returns False, leaving the outputs

@@ -40,9 +40,9 @@ class NonFiniteError(ValueError, FloatingPointError):
 def check_masked_inputs(mask, right_padded=False, contents=True, **tensors):
     """Raise ValueError naming the argument if a tensor's shape differs from mask's, the mask is
     not binary (or, with right_padded, not ones-then-zeros in every row), or a tensor holds
-    NaN/inf. Reductions over the inputs, plus the two [B, T] products that vecdot forms before
-    summing. contents=False checks types and shapes only, for a caller that checks the values in
-    its own pass over them (gae.py's compiled loop)."""
+    NaN/inf: reductions over the inputs, with one [B, T] temporary (1 - mask). contents=False
+    checks types and shapes only, for a caller that checks the values in its own pass over them
+    (gae.py's compiled loop)."""
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
         raise ValueError(f"mask must be a 2-D [B, T] tensor, got {getattr(mask, 'shape', type(mask))}")
     for name, x in tensors.items():
@@ -61,12 +61,13 @@ def check_masked_inputs(mask, right_padded=False, contents=True, **tensors):
     if not contents or mask.numel() == 0:
         return
     m = mask.double() if mask.dtype == torch.float64 else mask.float()  # exact integer sums
-    # With 0 <= m <= 1, sum(m) = sum(m^2) iff every m is 0 or 1; for a binary mask every partial
-    # sum is an integer <= T, so float32 compares exactly (T < 2^24).
+    # With 0 <= m <= 1 every m (1 - m) is >= 0, and 0 only where m is 0 or 1: a sum of them is 0
+    # exactly when the mask is binary (a sum of positive terms cannot round to 0, unlike a test of
+    # sum(m) = sum(m^2), which a 0.99999994 or a 1e-40 slips through).
     lo, hi = torch.aminmax(m)
-    length = m.sum(1)
-    if lo < 0 or hi > 1 or not torch.equal(length, torch.linalg.vecdot(m, m)):
+    if lo < 0 or hi > 1 or torch.linalg.vecdot(m, 1 - m).any():
         raise ValueError("mask must be binary (0/1 or bool)")
+    length = m.sum(1)  # for a binary mask every partial sum is an integer <= T: exact (T < 2^24)
     # A binary row is ones-then-zeros iff it starts with a one (or is empty) and its L ones
     # form L - 1 adjacent (1, 1) pairs.
     if right_padded:

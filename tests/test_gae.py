@@ -280,3 +280,31 @@ def test_strided_views_and_odd_dtypes_give_the_contiguous_answer():
     low = decoupled_gae(rewards.bfloat16(), values.bfloat16(), mask.bfloat16(), 0.99, 0.9, 1.0)
     ref = decoupled_gae(rewards.bfloat16().float(), values.bfloat16().float(), mask, 0.99, 0.9, 1.0)
     assert low[0].dtype == torch.bfloat16 and (low[0].float() - ref[0]).abs().max() <= 0.1
+
+
+@pytest.mark.parametrize("bad", [0.99999994, 1e-30, 1e-40])
+def test_a_nearly_binary_mask_is_rejected_like_any_other(bad):
+    # sum(m) = sum(m^2) cannot tell these from 0/1 once a row holds a few ones: rounding or underflow.
+    rewards, values, _ = _good()
+    mask = torch.tensor([[1, 1, bad, 1, 1, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 0, bad, 0, 0, 0], [1.0] * 10])
+    for row in (mask[:1], mask[1:2]):
+        with pytest.raises(ValueError, match="mask must be binary"):
+            decoupled_gae(rewards[:1], values[:1], row)
+
+
+def test_without_a_writable_cache_the_loop_is_compiled_per_process(monkeypatch):
+    njit = gae.numba.njit
+
+    def no_cache_dir(*args, cache=False, **options):
+        if cache:
+            raise RuntimeError("cannot cache function 'f': no locator available for file 'gae.py'")
+        return njit(*args, **options)
+
+    monkeypatch.setattr(gae.numba, "njit", no_cache_dir)
+    loop = gae._compile(gae._lambda_returns_loop.py_func)
+    rewards, values, mask = make_batch(4, 30, seed=14)
+    advantages, returns = torch.empty_like(values), torch.empty_like(values)
+    lams = [torch.full((4,), lam, dtype=torch.float64).numpy() for lam in (0.9, 1.0)]
+    assert loop(rewards.numpy(), values.numpy(), mask.numpy(), 1.0, *lams, advantages.numpy(), returns.numpy())
+    assert (advantages - gae_reference(rewards, values, mask, 1.0, 0.9)[0]).abs().max() <= 1e-5
+    assert (returns - gae_reference(rewards, values, mask, 1.0, 1.0)[1]).abs().max() <= 1e-5
