@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# GPU smoke test of the scale path: vLLM on GPU (bf16, sleep mode), weight sync, FSDP2 with
-# mixed precision / activation checkpointing / CPU offload under torchrun. About 2-4 minutes.
+# GPU smoke test of the scale path: decoupled GAE's GPU path, vLLM on GPU (bf16, sleep mode), weight
+# sync, FSDP2 with mixed precision / activation checkpointing / CPU offload under torchrun. About
+# 2-4 minutes.
 #
 #   PYTHON=/path/to/python bench/gpu_smoke.sh        # needs CUDA torch 2.13 and vllm==0.32.0 (GPU wheel)
 #
@@ -20,6 +21,28 @@ nvidia-smi --query-gpu=name,memory.total --format=csv
 import torch, vllm
 assert torch.cuda.is_available(), "no CUDA device visible to torch"
 print(f"torch {torch.__version__}, vllm {vllm.__version__}, {torch.cuda.device_count()} GPU(s)")
+EOF
+
+echo "== part 0: decoupled GAE on the GPU (the chunked scan) against the CPU's compiled loop"
+"$PY" - <<'EOF'
+import sys, time
+import torch
+sys.path.insert(0, "bench")
+import gae
+from gae_bench import make_batch
+for shape in ((64, 8192), (16, 32768)):
+    cpu = make_batch(*shape)
+    want = gae.decoupled_gae(*cpu, 1.0, 0.95, 1.0)
+    gpu = [x.cuda() for x in cpu]
+    got = gae.decoupled_gae(*gpu, 1.0, 0.95, 1.0)  # warm-up
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(20):
+        got = gae.decoupled_gae(*gpu, 1.0, 0.95, 1.0)
+    torch.cuda.synchronize()
+    error = max((g.cpu() - w).abs().max().item() for g, w in zip(got, want))
+    print(f"B={shape[0]} T={shape[1]}: GPU scan {(time.perf_counter() - start) / 20 * 1e3:.2f} ms, max |GPU - CPU| {error:.1e}")
+    assert error <= 1e-5
 EOF
 
 cat > "$WORK/smoke.py" <<'EOF'
