@@ -16,6 +16,7 @@ import copy
 import json
 import os
 import shutil
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Iterator
@@ -45,8 +46,13 @@ class DistInfo:
         return self.rank == 0
 
 
+# Set by init_distributed when the process group is gloo's, whose threads outlive it (exit_now_if_gloo).
+_gloo_threads = False
+
+
 def init_distributed() -> DistInfo:
     """Join torchrun's process group (nccl on GPU, gloo on CPU), or run as the single process."""
+    global _gloo_threads
     if "RANK" not in os.environ:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return DistInfo(rank=0, world_size=1, local_rank=0, device=device)
@@ -58,6 +64,7 @@ def init_distributed() -> DistInfo:
         device, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
         dist.init_process_group(backend=backend)
+    _gloo_threads = dist.get_backend() == "gloo"
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
 
 
@@ -67,6 +74,21 @@ def close_distributed() -> None:
     if dist.is_initialized():
         barrier()
         dist.destroy_process_group()
+
+
+def exit_now_if_gloo() -> None:
+    """After close_distributed, in a process that ran gloo collectives (torchrun on CPU): exit with
+    status 0 at once, skipping interpreter shutdown; elsewhere return. Gloo's worker threads outlive
+    destroy_process_group and may still be dropping the last collective's tensors, which takes the
+    GIL; a thread that asks for it once shutdown has begun exits (Python < 3.14) through a C++
+    noexcept destructor, and the rank, its work all saved, aborts with "terminate called without an
+    active exception" (CPython gh-87135; PyTorch PR #179291, not merged). Call it once everything
+    is written and closed: atexit handlers do not run. Not where vLLM ran: its CPU shared-memory
+    segments go at a normal exit only, and one left behind fails the next engine (errno 17)."""
+    if _gloo_threads and "vllm" not in sys.modules:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def all_reduce(value: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:

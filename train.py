@@ -287,3 +287,4 @@ if __name__ == "__main__":
     # Bad input, a diverged model, an unreadable checkpoint: the message says which and where.
     except (DataError, FileNotFoundError, FloatingPointError, fsdp_utils.CheckpointError) as err:
         sys.exit(f"error: {err}")
+    fsdp_utils.exit_now_if_gloo()  # torchrun on CPU: see there why

@@ -65,6 +65,30 @@ def test_export_from_sharded_model_loads_as_same_hf_weights(fsdp_run):
     assert "model.safetensors.index.json" in r["files"] and "tokenizer.json" in r["files"]
 
 
+EXIT_WORKER = """
+import json, os, sys
+import torch
+from fsdp_utils import close_distributed, exit_now_if_gloo, init_distributed
+info = init_distributed()
+both = [None, None]
+torch.distributed.all_gather_object(both, info.rank)
+with open(os.path.join(sys.argv[1], f"rank{info.rank}.json"), "w") as f:
+    json.dump({"gathered": both}, f)
+close_distributed()
+exit_now_if_gloo()
+sys.exit(3)  # reached only if the process did not leave at once
+"""
+
+
+@pytest.mark.slow
+def test_gloo_workers_leave_at_once_after_close_distributed(tmp_path):
+    # Interpreter shutdown with gloo threads alive can abort a rank (see exit_now_if_gloo).
+    script = tmp_path / "exit_worker.py"
+    script.write_text(EXIT_WORKER)
+    results = run_torchrun(str(script), str(tmp_path))  # raises on a non-zero exit, such as 3
+    assert [r["gathered"] for r in results] == [[0, 1], [0, 1]]
+
+
 def test_shard_model_without_process_group_returns_the_model_itself():
     _, model = tiny_actor()
     assert shard_model(model, mixed_precision=True, cpu_offload=True) is model

@@ -32,7 +32,8 @@ def tiny_actor(seed: int = 0):
 
 
 def run_torchrun(script: str, out_dir: str, *args: str, nproc: int = 2, timeout: int = 240) -> list[dict]:
-    """Run tests/dist_workers/<script> on `nproc` CPU ranks (gloo); return each rank's JSON result.
+    """Run tests/dist_workers/<script> (or a script at an absolute path) on `nproc` CPU ranks (gloo);
+    return each rank's JSON result (rank<r>.json in out_dir).
 
     nproc=0 runs it as one plain process without torchrun (the ordinary single-process path).
     Workers always run in a child process: vLLM changes process-wide state (thread binding,
@@ -47,8 +48,9 @@ def run_torchrun(script: str, out_dir: str, *args: str, nproc: int = 2, timeout:
                     "--master_addr", "127.0.0.1", "--master_port", str(port)] if nproc else []
         cmd = [sys.executable, *launcher, os.path.join(REPO, "tests", "dist_workers", script), out_dir, *args]
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-        # A rank of fsdp_worker.py aborted in C++ (std::terminate, no Python error) in about 1 of 30
-        # runs on the 2-core machine; 24 direct runs did not reproduce it. Run once more, and say so.
+        # A rank that ran gloo collectives can abort at exit (std::terminate: see
+        # fsdp_utils.exit_now_if_gloo, which the workers call, but which cannot help after vLLM ran).
+        # About 1 run in 30 on the loaded 2-core machine: run once more, and say so.
         if attempt == 0 and proc.returncode != 0 and "terminate called without an active exception" in proc.stderr:
             print(f"{script}: a rank aborted in C++ (std::terminate); running it once more", file=sys.stderr)
             continue

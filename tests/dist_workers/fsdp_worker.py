@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from common import tiny_actor, write_result
 from critic import load_value_model
-from fsdp_utils import (all_reduce, close_distributed, export_hf_checkpoint, init_distributed,
+from fsdp_utils import (all_reduce, close_distributed, exit_now_if_gloo, export_hf_checkpoint, init_distributed,
                         iter_full_weights, load_checkpoint, reduce_metrics, save_checkpoint, shard_model)
 from ppo import masked_whiten
 from rollout import HFRollout
@@ -162,3 +162,4 @@ torch.distributed.all_gather_object(both, sampled.tolist())
 result["sampling"] = {"ranks_differ": both[0] != both[1]}
 write_result(out_dir, info.rank, result)
 close_distributed()
+exit_now_if_gloo()
