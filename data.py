@@ -63,9 +63,8 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, object]]:
 
 
 def _parquet_rows(path: Path, keys: tuple[str, str]) -> Iterator[tuple[str, object]]:
-    import pyarrow.parquet as pq
-
     import pyarrow as pa
+    import pyarrow.parquet as pq
 
     try:
         table = pq.read_table(path)

@@ -383,7 +383,7 @@ def prepare_orm(cfg, sft_path: str, engine, tokenizer, records: list[dict], grad
     from config import check_settings
     from critic import load_value_model
     from data import sample_prompts, stream_seed
-    from fsdp_utils import export_hf_checkpoint, rank, world_size
+    from fsdp_utils import export_hf_checkpoint, world_size
     from rollout import decode_responses
     from rundir import write_json
 
@@ -415,9 +415,8 @@ def prepare_orm(cfg, sft_path: str, engine, tokenizer, records: list[dict], grad
     # without them, which would be taken as it is.
     staged = path + ".new"
     export_hf_checkpoint(model, tokenizer, staged)
-    if rank() == 0:
-        write_json(os.path.join(staged, "orm_settings.json"), settings)
-        os.replace(staged, path)
+    write_json(os.path.join(staged, "orm_settings.json"), settings)
+    os.replace(staged, path)
     last = history[-1]
     tqdm.write(f"ORM: {cfg.orm_steps} steps on {sum(map(len, batches))} graded samples, "
                f"loss {last['orm/loss']:.3f}, sign accuracy {last['orm/sign_accuracy']:.2f} -> {path}")
