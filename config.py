@@ -1,5 +1,6 @@
-"""The configuration of a VC-PPO run: one dataclass whose fields are `train.py`'s flags, its two
-presets (`tiny`: the built-in task on a CPU; `qwen2.5-32b`: the paper's settings, PAPER.md §5) and
+"""The configuration of a VC-PPO run: one dataclass whose fields are `train.py`'s flags, its three
+presets (`tiny`: the built-in task on a CPU; `tiny-long`: its long version; `qwen2.5-32b`: the paper's
+settings, PAPER.md §5) and
 the parser that checks every value at start. The ablation switches of the paper are grouped under
 "VC-PPO switches"."""
 
@@ -18,8 +19,9 @@ class Config:
     """VC-PPO. Every field is a command-line flag (`--lam-actor 0.99`); `--preset` picks the defaults."""
 
     # --- general
-    preset: Literal["tiny", "qwen2.5-32b"] = "tiny"
-    """defaults: `tiny` (built-in task, CPU, minutes) or `qwen2.5-32b` (the paper's settings)"""
+    preset: Literal["tiny", "tiny-long", "qwen2.5-32b"] = "tiny"
+    """defaults: `tiny` (built-in task, CPU, minutes), `tiny-long` (its long version, the paper's
+    regime: responses of hundreds of tokens) or `qwen2.5-32b` (the paper's settings)"""
     run_name: str | None = None
     """outputs go to <out_dir>/<run_name>/; None: <preset>__<critic_init>__seed<seed>"""
     out_dir: str = "runs"
@@ -50,6 +52,9 @@ class Config:
     """held-out share of --data (the built-in task has its own held-out set)"""
     sft_steps: int | None = None
     """built-in task: SFT steps of the cold start (None: sft.py's default)"""
+    task_length: Literal["short", "long"] = "short"
+    """built-in task: `short` (4-digit numbers, ~135-token responses) or `long` (16 digits, 16 to 52
+    doublings: responses of hundreds of tokens, the paper's regime; task.SHAPES)"""
     task_train_size: int = 20000
     """built-in task: number of training problems"""
     task_eval_size: int = 64
@@ -224,6 +229,12 @@ class Config:
 
 PRESETS = {
     "tiny": Config(),
+    # The long built-in task: ~550-token responses (27 GAE horizons at lambda 0.95), a limit that
+    # cuts pi_SFT's longest ones (scored -1), and a larger ORM data set (RESULTS.md, "The long task").
+    "tiny-long": Config(
+        preset="tiny-long", task_length="long", max_new_tokens=800, sft_steps=500,
+        orm_batches=8, orm_steps=120,
+    ),
     "qwen2.5-32b": Config(  # PAPER.md §5 (VAPO's PPO settings; no KL, lambda_critic = 1)
         preset="qwen2.5-32b", value_pretrain_steps=100,
         lam_actor=0.99, steps=1000, prompts_per_step=8192, samples_per_prompt=1,

@@ -174,9 +174,9 @@ def prepare_data(cfg, tokenizer) -> tuple[list[dict], list[dict]]:
     if cfg.data is None:
         import task
 
-        records = {}
+        records, shape = {}, task.SHAPES[cfg.task_length]
         for split, n, seed in (("train", cfg.task_train_size, 1), ("eval", cfg.task_eval_size, 2)):
-            problems = task.make_problems(n, seed=seed)
+            problems = task.make_problems(n, seed, *shape.difficulty, shape.width)
             records[split] = [{**p, "prompt_ids": encode_prompt(tokenizer, p["prompt"])} for p in problems]
         return records["train"], records["eval"]
     records, stats = load_records(cfg.data, tokenizer, cfg.prompt_key, cfg.answer_key,

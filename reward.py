@@ -373,9 +373,17 @@ ORM_SETTINGS = ("orm_batches", "orm_steps", "orm_lr", "prompts_per_step", "sampl
                 "task_train_size", "max_prompt_tokens", "eval_fraction")
 
 
+def orm_cache_path(cfg) -> str:
+    """Where the ORM is cached: <out_dir>/_shared/orm for the built-in task (orm-long for its long
+    version), orm-<run_name> for a user's --model."""
+    if cfg.model is not None:
+        return os.path.join(cfg.out_dir, "_shared", f"orm-{cfg.run_name}")
+    return os.path.join(cfg.out_dir, "_shared", "orm" if cfg.task_length == "short" else f"orm-{cfg.task_length}")
+
+
 def prepare_orm(cfg, sft_path: str, engine, tokenizer, records: list[dict], grader: Grader) -> str:
     """The critic's initial weights: pi_SFT itself (`--critic-init sft`), or an ORM trained on
-    pi_SFT's graded samples (`rm`), cached in <out_dir>/_shared/orm and reused when it exists."""
+    pi_SFT's graded samples (`rm`), cached at `orm_cache_path` and reused when it exists."""
     if cfg.critic_init == "sft":
         return sft_path
     from tqdm import tqdm
@@ -387,7 +395,7 @@ def prepare_orm(cfg, sft_path: str, engine, tokenizer, records: list[dict], grad
     from rollout import decode_responses
     from rundir import write_json
 
-    path = os.path.join(cfg.out_dir, "_shared", "orm" if cfg.model is None else f"orm-{cfg.run_name}")
+    path = orm_cache_path(cfg)
     settings = {k: getattr(cfg, k) for k in ORM_SETTINGS}
     if os.path.exists(path):
         saved = os.path.join(path, "orm_settings.json")

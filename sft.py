@@ -55,6 +55,8 @@ class SFTConfig:
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """gradient clipping"""
+    width: int = task.WIDTH
+    """digits of x (task.SHAPES: 4 for the short task, 16 for the long one)"""
     min_difficulty: int = task.DEFAULT_DIFFICULTY[0]
     """smallest k (doublings) of a training problem"""
     max_difficulty: int = task.DEFAULT_DIFFICULTY[1]
@@ -86,7 +88,7 @@ def sample_problems(rng: random.Random, cfg: SFTConfig) -> list[dict]:
     ks = list(range(cfg.min_difficulty, cfg.max_difficulty + 1))
     picks = rng.choices(ks, weights=[k**-cfg.length_bias for k in ks], k=cfg.batch_size)
     # Seeds from this rng are far from the small seeds of held-out sets (data.py uses 1 and 2).
-    return [task.make_problems(1, rng.randrange(10**6, 2**62), k, k)[0] for k in picks]
+    return [task.make_problems(1, rng.randrange(10**6, 2**62), k, k, cfg.width)[0] for k in picks]
 
 
 def make_batch(tokenizer, problems: list[dict], rng: random.Random, cfg: SFTConfig) -> list[tuple[list, list]]:
@@ -166,16 +168,22 @@ def train_sft(cfg: SFTConfig, model=None, tokenizer=None) -> dict:
     return summary
 
 
+def sft_cache_path(cfg) -> str:
+    """Where the built-in task's pi_SFT is cached: <out_dir>/_shared/sft (sft-long for the long task)."""
+    return str(Path(cfg.out_dir) / "_shared" / ("sft" if cfg.task_length == "short" else f"sft-{cfg.task_length}"))
+
+
 def prepare_sft(cfg) -> str:
     """The pi_SFT of a run (`train.py`'s first stage): `cfg.model` when given, else the built-in
-    task's cold start, trained once into <cfg.out_dir>/_shared/sft (`cfg.sft_steps` steps, None:
-    the default) and reused by every later run."""
+    task's cold start (of `cfg.task_length`), trained once into `sft_cache_path` (`cfg.sft_steps`
+    steps, None: the default) and reused by every later run."""
     if cfg.model is not None:
         if not Path(cfg.model, "config.json").is_file():
             raise FileNotFoundError(f"--model {cfg.model}: no Hugging Face checkpoint (config.json) there")
         return cfg.model
-    path = Path(cfg.out_dir) / "_shared" / "sft"
+    path = Path(sft_cache_path(cfg))
     steps = cfg.sft_steps or SFTConfig.steps
+    shape = task.SHAPES[cfg.task_length]
     if (path / "config.json").exists():
         if (path / "sft_summary.json").exists():  # a cache from before the summary is taken as it is
             saved = json.loads((path / "sft_summary.json").read_text())
@@ -184,9 +192,10 @@ def prepare_sft(cfg) -> str:
         print(f"SFT: reusing {path}")
         return str(path)
     if rank() == 0:  # under torchrun rank 0 trains it once; the others wait for it
-        tmp = path.with_name("sft.partial")  # renamed when complete: a killed run leaves no half cache
+        tmp = path.with_name(path.name + ".partial")  # renamed when complete: a killed run leaves no half cache
         shutil.rmtree(tmp, ignore_errors=True)
-        summary = train_sft(SFTConfig(out_dir=str(tmp), steps=steps))
+        summary = train_sft(SFTConfig(out_dir=str(tmp), steps=steps, width=shape.width,
+                                      min_difficulty=shape.sft_difficulty[0], max_difficulty=shape.sft_difficulty[1]))
         (tmp / "sft_summary.json").write_text(json.dumps({**summary, "out_dir": str(path)}, indent=2))
         tmp.rename(path)
     barrier()
@@ -263,6 +272,8 @@ class Args(SFTConfig):
     """held-out problems sampled (temperature 1) for the report after training; 0 skips it"""
     eval_seed: int = 1234
     """seed of the held-out problems and of sampling"""
+    eval_max_new_tokens: int = 400
+    """response limit of the report's samples (the long task needs train.py's 800)"""
     threads: int = 1
     """torch CPU threads: on a shared 2-core machine 2 threads can be many times slower than 1"""
 
@@ -278,8 +289,9 @@ if __name__ == "__main__":
 
         tok = AutoTokenizer.from_pretrained(args.out_dir)
         policy = AutoModelForCausalLM.from_pretrained(args.out_dir)
-        held_out = task.make_problems(args.eval_problems, args.eval_seed, args.min_difficulty, args.max_difficulty)
+        held_out = task.make_problems(args.eval_problems, args.eval_seed, args.min_difficulty, args.max_difficulty,
+                                      args.width)
         t0 = time.time()
-        report = evaluate_task(policy, tok, held_out, seed=args.eval_seed)
+        report = evaluate_task(policy, tok, held_out, max_new_tokens=args.eval_max_new_tokens, seed=args.eval_seed)
         print(format_report(report))
         print(f"(evaluation took {time.time() - t0:.0f} s)")

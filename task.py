@@ -39,16 +39,35 @@ import torch
 from tokenizers import pre_tokenizers
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
 
-WIDTH = 4  # digits kept: the answer is x * 2^k mod 10**WIDTH
+WIDTH = 4  # digits kept by default: the answer is x * 2^k mod 10**WIDTH
 LABELS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"  # doublings left, 1 to 52
 MAX_DIFFICULTY = len(LABELS)
 DEFAULT_DIFFICULTY = (1, 48)  # ~19 to ~350 response tokens
+
+
+@dataclass(frozen=True)
+class TaskShape:
+    """How long the chain of thought is: digits of x (a line is width + 3 tokens), the range of k of
+    the RL and held-out problems, and the range the SFT cold start trains on."""
+
+    width: int
+    difficulty: tuple[int, int]
+    sft_difficulty: tuple[int, int]
+
+
+# `short`: the default demo task. `long`: the paper's regime, the same arithmetic on 16-digit
+# numbers and 16 to 52 doublings: full traces of ~290 to ~1,000 tokens, pi_SFT's median response
+# above 25 GAE horizons at lambda 0.95. Its SFT also sees short chains, which teach a line's
+# arithmetic at a fraction of the cost.
+SHAPES = {"short": TaskShape(WIDTH, DEFAULT_DIFFICULTY, DEFAULT_DIFFICULTY),
+          "long": TaskShape(16, (16, 52), (1, 52))}
 MAX_MERGE = 2  # doublings per merged line
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 ALPHABET = "0123456789*^=:?\n\\{}" + LABELS  # "boxed" is spelt with labels
 
-_PROMPT = re.compile(r"(\d{%d})\*2\^([a-zA-Z])=\n" % WIDTH)
-_LINE = re.compile(r"([a-zA-Z]+):(\d{%d})" % WIDTH)
+_PROMPT = re.compile(r"(\d+)\*2\^([a-zA-Z])=\n")  # x has one of the SHAPES' widths
+_LINE = re.compile(r"([a-zA-Z]+):(\d+)")  # as many digits as x
+_WIDTHS = {shape.width for shape in SHAPES.values()}
 _BOX = re.compile(r"\??\\boxed\{([^{}]*)\}")  # "?" marks a guess
 
 
@@ -104,29 +123,38 @@ def make_tiny_model(
 
 
 def make_problems(
-    n: int, seed: int, min_difficulty: int = DEFAULT_DIFFICULTY[0], max_difficulty: int = DEFAULT_DIFFICULTY[1]
+    n: int, seed: int, min_difficulty: int = DEFAULT_DIFFICULTY[0], max_difficulty: int = DEFAULT_DIFFICULTY[1],
+    width: int = WIDTH,
 ) -> list[dict]:
-    """n problems {prompt, answer, difficulty}; difficulty k (doublings) uniform in [min, max]."""
+    """n problems {prompt, answer, difficulty}; difficulty k (doublings) uniform in [min, max];
+    x has `width` digits (one of the SHAPES' widths)."""
     if not 1 <= min_difficulty <= max_difficulty <= MAX_DIFFICULTY:
         raise ValueError(f"need 1 <= min_difficulty <= max_difficulty <= {MAX_DIFFICULTY}, "
                          f"got {min_difficulty}, {max_difficulty}")
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
+    if width not in _WIDTHS:
+        raise ValueError(f"width must be one of {sorted(_WIDTHS)} (task.SHAPES), got {width}")
     rng = random.Random(seed)
     problems = []
     for _ in range(n):
-        k, x = rng.randint(min_difficulty, max_difficulty), rng.randint(10 ** (WIDTH - 1), 10**WIDTH - 1)
-        problems.append({"prompt": f"{x}*2^{LABELS[k - 1]}=\n", "answer": str(x * 2**k % 10**WIDTH),
+        k, x = rng.randint(min_difficulty, max_difficulty), rng.randint(10 ** (width - 1), 10**width - 1)
+        problems.append({"prompt": f"{x}*2^{LABELS[k - 1]}=\n", "answer": str(x * 2**k % 10**width),
                          "difficulty": k})
     return problems
 
 
+def _prompt_parts(prompt: str) -> tuple[int, int, int]:
+    """(x, k, width) of a task prompt (ValueError if it is not one)."""
+    m = _PROMPT.fullmatch(prompt)
+    if m is None or len(m.group(1)) not in _WIDTHS:
+        raise ValueError(f"not a task prompt: {prompt[:40]!r}")
+    return int(m.group(1)), LABELS.index(m.group(2)) + 1, len(m.group(1))
+
+
 def parse_prompt(prompt: str) -> tuple[int, int]:
     """(x, k) of a task prompt (ValueError if it is not one)."""
-    m = _PROMPT.fullmatch(prompt)
-    if m is None:
-        raise ValueError(f"not a task prompt: {prompt[:40]!r}")
-    return int(m.group(1)), LABELS.index(m.group(2)) + 1
+    return _prompt_parts(prompt)[:2]
 
 
 def _labels(left: int, doublings: int) -> str:
@@ -134,14 +162,14 @@ def _labels(left: int, doublings: int) -> str:
     return "".join(LABELS[left - 1 - i] for i in range(doublings))
 
 
-def step_line(value: int, doublings: int, left: int) -> str:
-    """One reasoning line: the last WIDTH digits of `value` * 2**doublings, zero-padded (fixed
+def step_line(value: int, doublings: int, left: int, width: int = WIDTH) -> str:
+    """One reasoning line: the last `width` digits of `value` * 2**doublings, zero-padded (fixed
     columns), labelled with the doublings still `left` before it."""
     if not 1 <= doublings <= MAX_MERGE:
         raise ValueError(f"a line does 1 to {MAX_MERGE} doublings, not {doublings}")
     if doublings > left:
         raise ValueError(f"{doublings} doublings with {left} left")
-    return _labels(left, doublings) + ":" + str(value * 2**doublings % 10**WIDTH).zfill(WIDTH) + "\n"
+    return _labels(left, doublings) + ":" + str(value * 2**doublings % 10**width).zfill(width) + "\n"
 
 
 def sft_response(problem: dict, rng: random.Random, shortcut_prob: float = 0.25, merge_prob: float = 0.15) -> str:
@@ -155,7 +183,7 @@ def sft_response(problem: dict, rng: random.Random, shortcut_prob: float = 0.25,
     """
     if not (0.0 <= shortcut_prob <= 1.0 and 0.0 <= merge_prob <= 1.0):
         raise ValueError(f"probabilities must be in [0, 1], got {shortcut_prob}, {merge_prob}")
-    x, k = parse_prompt(problem["prompt"])
+    x, k, width = _prompt_parts(problem["prompt"])
     groups, done = [], 0
     while done < k:
         groups.append(MAX_MERGE if done + 1 < k and rng.random() < merge_prob else 1)
@@ -165,9 +193,9 @@ def sft_response(problem: dict, rng: random.Random, shortcut_prob: float = 0.25,
         groups = groups[: rng.randrange(len(groups))]
     lines, value, done = [], x, 0
     for g in groups:
-        lines.append(step_line(value, g, k - done))
-        value, done = value * 2**g % 10**WIDTH, done + g
-    return "".join(lines) + ("?" if guess else "") + "\\boxed{" + str(x * 2**k % 10**WIDTH) + "}"
+        lines.append(step_line(value, g, k - done, width))
+        value, done = value * 2**g % 10**width, done + g
+    return "".join(lines) + ("?" if guess else "") + "\\boxed{" + str(x * 2**k % 10**width) + "}"
 
 
 def full_response(problem: dict) -> str:
@@ -194,16 +222,17 @@ def parse_response(prompt: str, response: str) -> Trace:
     against the value written on the line above, so per-step reliability is measurable even after
     an earlier slip.
     """
-    x, k = parse_prompt(prompt)
+    x, k, width = _prompt_parts(prompt)
     *lines, last = response.split("\n")
     trace, value = Trace("invalid"), x
     for line in lines:
         m = _LINE.fullmatch(line)
         done = trace.steps_done
         steps = len(m.group(1)) if m else 0
-        if m is None or steps > min(MAX_MERGE, k - done) or m.group(1) != _labels(k - done, steps):
+        if (m is None or steps > min(MAX_MERGE, k - done) or m.group(1) != _labels(k - done, steps)
+                or len(m.group(2)) != width):
             return trace
-        trace.line_ok.append(step_line(value, steps, k - done) == line + "\n")
+        trace.line_ok.append(step_line(value, steps, k - done, width) == line + "\n")
         trace.line_steps.append(steps)
         trace.steps_done += steps
         value = int(m.group(2))  # the value as written, right or wrong

@@ -42,6 +42,8 @@ from tqdm import tqdm
 
 import rundir
 from config import Config, check_settings, parse_config
+from reward import orm_cache_path
+from sft import sft_cache_path
 
 TRAIN = Path(__file__).resolve().parents[1] / "train.py"
 
@@ -143,8 +145,8 @@ def run_grid(runs: list[Run], jobs: int, out_dir: str) -> tuple[float, list[Run]
     failed, start = [], time.time()
     if not todo:
         return 0.0, failed
-    shared = Path(out_dir, "_shared")
     needs_orm = any(r.config.critic_init == "rm" for r in todo)
+    sft_cache, orm_cache = Path(sft_cache_path(todo[0].config)), Path(orm_cache_path(todo[0].config))
     bar = tqdm(total=len(todo), desc="ablation runs", dynamic_ncols=True)
 
     def finished(run, wall, code):
@@ -152,7 +154,7 @@ def run_grid(runs: list[Run], jobs: int, out_dir: str) -> tuple[float, list[Run]
         bar.update()
         tqdm.write(f"{run.dir.name}: {'done' if code == 0 else f'FAILED (exit {code})'} in {wall:.0f} s")
 
-    if not (shared / "sft").is_dir() or (needs_orm and not (shared / "orm").is_dir()):
+    if not sft_cache.is_dir() or (needs_orm and not orm_cache.is_dir()):
         todo.sort(key=lambda r: r.config.critic_init != "rm")  # a critic-from-ORM run builds both caches
         bar.set_postfix_str(f"{todo[0].dir.name} builds pi_SFT and the ORM")
         finished(*execute(todo.pop(0)))

@@ -38,9 +38,9 @@ from critic import load_value_model, response_values
 from data import prepare_data, sample_prompts, stream_seed
 from gae import compute_gae
 from ppo import masked_mean, masked_sum
-from reward import Grader, prepare_orm, score_rollout
+from reward import Grader, orm_cache_path, prepare_orm, score_rollout
 from rollout import HFRollout, decode_responses
-from sft import prepare_sft
+from sft import prepare_sft, sft_cache_path
 from value_pretrain import pretrain_value
 
 CRITICS = ("orm", "sft", "pretrained")
@@ -99,11 +99,10 @@ def check_args(args: Args) -> None:
 
 def default_paths(args: Args, cfg) -> dict[str, str]:
     """Where train.py writes (or wrote) pi_SFT and each critic, unless a flag names another path."""
-    sft = args.sft or cfg.model or os.path.join(cfg.out_dir, "_shared", "sft")
-    orm_name = "orm" if cfg.model is None else f"orm-{cfg.run_name}"  # reward.prepare_orm's cache
+    sft = args.sft or cfg.model or sft_cache_path(cfg)
     return {
         "sft": sft,
-        "orm": args.orm or os.path.join(cfg.out_dir, "_shared", orm_name),
+        "orm": args.orm or orm_cache_path(cfg),
         "pretrained": args.critic or os.path.join(cfg.out_dir, cfg.run_name, "value_pretrain", "critic"),
     }
 

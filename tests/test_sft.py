@@ -87,7 +87,7 @@ def test_evaluate_task_samples_and_parses_an_untrained_model():
 
 
 def test_prepare_sft_trains_once_then_reuses_the_cache(tmp_path, monkeypatch):
-    cfg = SimpleNamespace(model=None, out_dir=str(tmp_path), sft_steps=2)
+    cfg = SimpleNamespace(model=None, out_dir=str(tmp_path), sft_steps=2, task_length="short")
     path = sft.prepare_sft(cfg)
     assert path == str(tmp_path / "_shared" / "sft") and (tmp_path / "_shared" / "sft" / "sft_summary.json").exists()
     assert not (tmp_path / "_shared" / "sft.partial").exists()

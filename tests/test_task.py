@@ -149,3 +149,28 @@ def test_tiny_model_matches_the_tokenizer(tokenizer):
     assert c.vocab_size == len(tokenizer) and c.head_dim == 64 and c.tie_word_embeddings
     assert (c.eos_token_id, c.pad_token_id) == (tokenizer.eos_token_id, tokenizer.pad_token_id)
     assert model.generation_config.eos_token_id == tokenizer.eos_token_id
+
+
+def test_long_shape_has_wide_lines_and_long_traces_graded_like_the_short_ones(tokenizer):
+    shape = task.SHAPES["long"]
+    problems = task.make_problems(30, 4, *shape.difficulty, shape.width)
+    rng = random.Random(3)
+    for p in problems:
+        x, k = task.parse_prompt(p["prompt"])
+        assert len(str(x)) == shape.width and shape.difficulty[0] <= k <= shape.difficulty[1]
+        full = task.full_response(p)
+        trace = task.parse_response(p["prompt"], full)
+        assert trace.strategy == "full" and all(trace.line_ok) and trace.boxed == p["answer"]
+        assert len(full.split("\n")[0]) == shape.width + 2  # label, ":", the digits
+        assert rule_reward(full, p["answer"]) == 1.0
+        mixed = task.sft_response(p, rng)
+        assert task.response_strategy(p["prompt"], mixed) != "invalid"
+    lengths = sorted(len(tokenizer(task.full_response(p))["input_ids"]) for p in problems)
+    assert lengths[0] >= 250 and lengths[len(lengths) // 2] >= 500  # many GAE horizons of 20 tokens
+    # A line with the short task's width is malformed in a long problem, and the default is unchanged.
+    line = task.full_response(problems[0]).split("\n")[0]
+    short_line = line[: line.index(":") + 1] + line[-4:]
+    assert task.response_strategy(problems[0]["prompt"], short_line + "\n\\boxed{1}") == "invalid"
+    assert task.make_problems(5, seed=0) == task.make_problems(5, 0, 1, 48, width=4)
+    with pytest.raises(ValueError):
+        task.make_problems(1, seed=0, width=7)
