@@ -232,7 +232,7 @@ PRESETS = {
     # The long built-in task: ~550-token responses (27 GAE horizons at lambda 0.95), a limit that
     # cuts pi_SFT's longest ones (scored -1), and a larger ORM data set (RESULTS.md, "The long task").
     "tiny-long": Config(
-        preset="tiny-long", task_length="long", max_new_tokens=800, sft_steps=500,
+        preset="tiny-long", task_length="long", max_new_tokens=800, sft_steps=1000,
         orm_batches=8, orm_steps=120,
     ),
     "qwen2.5-32b": Config(  # PAPER.md §5 (VAPO's PPO settings; no KL, lambda_critic = 1)

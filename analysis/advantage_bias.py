@@ -38,7 +38,7 @@ from critic import load_value_model, response_values
 from data import prepare_data, sample_prompts, stream_seed
 from gae import compute_gae
 from ppo import masked_mean, masked_sum
-from reward import Grader, orm_cache_path, prepare_orm, score_rollout
+from reward import Grader, orm_cache_path, orm_scores, prepare_orm, score_rollout
 from rollout import HFRollout, decode_responses
 from sft import prepare_sft, sft_cache_path
 from value_pretrain import pretrain_value
@@ -84,6 +84,10 @@ class BiasResult:
     first_bin_se: dict[str, dict[float, float]]  # standard error of the first bin's mean, over responses
     skipped: dict[str, str]  # critic -> why it has no curve
     rollout: dict  # responses, mean and max length, accuracy, truncated share
+    first_quarter: dict[str, dict[float, tuple[float, float]]]  # critic -> lambda -> (mean, SE) over responses
+    # of each response's mean A_t over its first quarter (the issue's Fig. 2 criterion)
+    box: dict[str, dict]  # critic -> V(s_t) just before and just after the final box opens (TD errors there)
+    orm_quality: dict  # the ORM as a reward model on these (held-out) responses: AUC, sign accuracy, base rate
 
 
 def check_args(args: Args) -> None:
@@ -134,13 +138,80 @@ def sample_rollouts(args: Args, cfg, engine, tokenizer, records, grader) -> list
     return out
 
 
+BOX_OPEN = "\\boxed{"
+
+
+def box_starts(tokenizer, rollouts) -> list[list[int]]:
+    """Per rollout batch, per response: the token index where its last `\\boxed{` begins (-1: none).
+    The "?" of a guess comes before it, so the index is the first token of the box itself."""
+    out = []
+    for batch, _, _ in rollouts:
+        starts = []
+        for text in decode_responses(tokenizer, batch):
+            i = text.rfind(BOX_OPEN)
+            starts.append(-1 if i < 0 else len(tokenizer(text[:i], add_special_tokens=False)["input_ids"]))
+        out.append(starts)
+    return out
+
+
+def box_alignment(rollouts, values: list, starts: list[list[int]], before: int = 16) -> dict:
+    """V(s_t) around the opening of the final box, over responses whose box opens completely: the mean
+    over the `before` tokens before it, at the box's first token (s_b: nothing of it written yet), and
+    once `\\boxed{` is written (s_{b+7}); their difference is the sum of the TD errors delta_t = V(s_{t+1})
+    - V(s_t) over the box-opening tokens (no reward there). A critic that reads every unboxed prefix as
+    a truncated (-1) response shows a large positive jump whatever the answer."""
+    pre, at, inside, jump = [], [], [], []
+    n_open = len(BOX_OPEN)
+    for (batch, _, _), v, rows in zip(rollouts, values, starts):
+        for row, b in enumerate(rows):
+            if b < 1 or b + n_open >= int(batch.lengths[row]):
+                continue
+            pre.append(float(v[row, max(0, b - before) : b].mean()))
+            at.append(float(v[row, b]))
+            inside.append(float(v[row, b + n_open]))
+            jump.append(inside[-1] - at[-1])
+    if not jump:
+        return {"responses": 0}
+    se = lambda x: float(np.std(x, ddof=1) / np.sqrt(len(x))) if len(x) > 1 else float("nan")  # noqa: E731
+    return {"responses": len(jump), "value_before": float(np.mean(pre)), "value_at_open": float(np.mean(at)),
+            "value_after_open": float(np.mean(inside)), "jump": float(np.mean(jump)), "jump_se": se(jump)}
+
+
+def roc_auc(scores: np.ndarray, positive: np.ndarray) -> float:
+    """P(a positive scores above a negative), ties counting half: the ROC AUC (NaN without both classes)."""
+    pos, neg = scores[positive], scores[~positive]
+    if not len(pos) or not len(neg):
+        return float("nan")
+    return float((pos[:, None] > neg[None, :]).mean() + 0.5 * (pos[:, None] == neg[None, :]).mean())
+
+
+def orm_quality(model, rollouts) -> dict:
+    """The ORM judged as a reward model (what it was trained for): its score at the last token of each
+    response against the verified outcome, on complete responses (ended with EOS) and on all of them.
+    Sign accuracy is set beside the base rate, the accuracy of always answering the majority outcome."""
+    scores = torch.cat([orm_scores(model, b) for b, _, _ in rollouts]).numpy()
+    correct = torch.cat([s for _, _, s in rollouts]).numpy() > 0
+    complete = np.array([f == "stop" for b, _, _ in rollouts for f in b.finish_reasons])
+    out = {}
+    for name, keep in (("complete", complete), ("all", np.ones_like(complete))):
+        sc, ok = scores[keep], correct[keep]
+        if not len(sc):
+            continue
+        out[name] = {"responses": int(len(sc)), "correct": int(ok.sum()), "auc": roc_auc(sc, ok),
+                     "sign_accuracy": float(((sc > 0) == ok).mean()), "base_rate": float(max(ok.mean(), 1 - ok.mean())),
+                     "mean_score_correct": float(sc[ok].mean()) if ok.any() else float("nan"),
+                     "mean_score_wrong": float(sc[~ok].mean()) if (~ok).any() else float("nan")}
+    return out
+
+
 def position_sums(rollouts, critic, lambdas, gamma, width: int, bin_size: int) -> dict:
     """Per-position sums (float64, [width]) over every valid token of every rollout: token count,
     lambda = 1 return, V(s_t) and A_t per lambda; sum A_t^2 per lambda (for the correlation); and
     each response's own mean A_t over the first bin (for a standard error over responses)."""
     z = lambda: np.zeros(width)
     sums = {"count": z(), "ret": z(), "value": z(), "adv": {lam: z() for lam in lambdas},
-            "adv_sq": {lam: 0.0 for lam in lambdas}, "first_bin": {lam: [] for lam in lambdas}}
+            "adv_sq": {lam: 0.0 for lam in lambdas}, "first_bin": {lam: [] for lam in lambdas},
+            "first_quarter": {lam: [] for lam in lambdas}, "values": []}
 
     def add(key, x, mask, lam=None):
         s = masked_sum(x.double(), mask.double(), dim=0).numpy()  # over responses: [T]
@@ -150,6 +221,8 @@ def position_sums(rollouts, critic, lambdas, gamma, width: int, bin_size: int) -
     for batch, rewards, _ in rollouts:
         mask = batch.response_mask
         values = response_values(critic, batch) if critic is not None else torch.zeros_like(mask)
+        sums["values"].append(values)
+        quarter = (torch.arange(mask.shape[1]) < (batch.lengths.unsqueeze(1) + 3) // 4).float() * mask
         add("count", mask, mask)
         add("value", values, mask)
         add("ret", compute_gae(rewards, values, mask, gamma, lam=1.0)[1], mask)  # R_t at lambda = 1 (Eq. 7)
@@ -158,6 +231,7 @@ def position_sums(rollouts, critic, lambdas, gamma, width: int, bin_size: int) -
             add("adv", adv, mask, lam)
             sums["adv_sq"][lam] += float(masked_sum(adv.double() ** 2, mask.double()))
             sums["first_bin"][lam] += masked_mean(adv[:, :bin_size], mask[:, :bin_size], dim=1).tolist()
+            sums["first_quarter"][lam] += masked_mean(adv, quarter, dim=1).tolist()
     return sums
 
 
@@ -182,10 +256,16 @@ def binned(per_position: np.ndarray, count: np.ndarray, bin_size: int) -> np.nda
     return bin_sums(per_position, bin_size) / np.maximum(bin_sums(count, bin_size), 1)
 
 
-def measure(args: Args, rollouts, paths: dict, gamma: float) -> BiasResult:
-    """Binned values and advantages of every critic found at `paths`, on the same rollouts."""
+def mean_and_se(x: list[float]) -> tuple[float, float]:
+    return float(np.mean(x)), float(np.std(x, ddof=1) / np.sqrt(len(x)))
+
+
+def measure(args: Args, rollouts, paths: dict, gamma: float, starts: list[list[int]]) -> BiasResult:
+    """Binned values and advantages of every critic found at `paths`, on the same rollouts; `starts`:
+    where each response's final box opens (`box_starts`)."""
     width = max(int(b.lengths.max()) for b, _, _ in rollouts)
     values, advantages, pearson, first_se, skipped, common = {}, {}, {}, {}, {}, None
+    first_quarter, box, quality = {}, {}, {}
     for name in CRITICS:
         path = paths[name]
         if not Path(path, "config.json").is_file():
@@ -198,7 +278,11 @@ def measure(args: Args, rollouts, paths: dict, gamma: float) -> BiasResult:
         critic = load_value_model(path).eval()  # pi_SFT gets a new N(0, 0.02) head; critics keep theirs
         with torch.no_grad():
             s = position_sums(rollouts, critic, args.lambdas, gamma, width, args.bin_size)
+            if name == "orm":
+                quality = orm_quality(critic, rollouts)
         del critic
+        first_quarter[name] = {lam: mean_and_se(s["first_quarter"][lam]) for lam in args.lambdas}
+        box[name] = box_alignment(rollouts, s["values"], starts)
         common = s
         values[name] = binned(s["value"], s["count"], args.bin_size)
         advantages[name] = {lam: binned(s["adv"][lam], s["count"], args.bin_size) for lam in args.lambdas}
@@ -216,6 +300,7 @@ def measure(args: Args, rollouts, paths: dict, gamma: float) -> BiasResult:
         tokens=bin_sums(common["count"], args.bin_size),
         mc_return=binned(common["ret"], common["count"], args.bin_size), values=values,
         advantages=advantages, pearson=pearson, first_bin_se=first_se, skipped=skipped,
+        first_quarter=first_quarter, box=box, orm_quality=quality,
         rollout={"responses": len(lengths), "mean_length": lengths.mean().item(), "max_length": width,
                  "accuracy": (scores > 0).float().mean().item(),
                  "truncated": sum(f == "length" for f in finish) / len(finish)},
@@ -255,6 +340,33 @@ def plot(r: BiasResult, path: Path) -> None:
     plt.close(fig)
 
 
+def mechanism_lines(r: BiasResult) -> list[str]:
+    """The ORM's quality as a reward model, the first-quarter advantage and the values around the box."""
+    lines = ["## The ORM as a reward model (held-out responses, score at the last token)", ""]
+    if r.orm_quality:
+        lines += ["| responses | n | correct | AUC | sign accuracy | base rate | mean score, correct | mean score, wrong |",
+                  "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {name} | {q['responses']} | {q['correct']} | {q['auc']:.3f} | {q['sign_accuracy']:.3f} | "
+                  f"{q['base_rate']:.3f} | {q['mean_score_correct']:+.3f} | {q['mean_score_wrong']:+.3f} |"
+                  for name, q in r.orm_quality.items()]
+    else:
+        lines.append("(no ORM read)")
+    lines += ["", "## Mean advantage over the first quarter of each response (mean ± SE over responses)", "",
+              "| critic | " + " | ".join(f"λ={lam:g}" for lam in r.lambdas) + " |", "|---|" + "---|" * len(r.lambdas)]
+    lines += [f"| {LABELS[name]} | " + " | ".join(f"{m:+.3f} ± {se:.3f} ({m / se:+.1f} SE)" if se > 0 else f"{m:+.3f}"
+                                                   for m, se in fq.values()) + " |"
+              for name, fq in r.first_quarter.items()]
+    lines += ["", "## V(s_t) around the opening of the final box", "",
+              "Mean over the 16 tokens before the box, at its first token, after `\\boxed{` is written, and the "
+              "jump (the sum of the TD errors over the box-opening tokens; mean ± SE over responses).", "",
+              "| critic | responses | V before | V at open | V after open | jump |", "|---|---|---|---|---|---|"]
+    for name, b in r.box.items():
+        if b["responses"]:
+            lines.append(f"| {LABELS[name]} | {b['responses']} | {b['value_before']:+.3f} | {b['value_at_open']:+.3f} | "
+                         f"{b['value_after_open']:+.3f} | {b['jump']:+.3f} ± {b['jump_se']:.3f} |")
+    return lines + [""]
+
+
 def markdown(r: BiasResult, paths: dict, gamma: float, seconds: dict) -> str:
     ro, lams = r.rollout, r.lambdas
     summary, signs = [], []
@@ -285,7 +397,8 @@ def markdown(r: BiasResult, paths: dict, gamma: float, seconds: dict) -> str:
         "| critic | lambda | Pearson r(A_t, t), token level | mean A_t, first bin ± 2 SE | mean A_t, all tokens "
         "| mean V(s_t), first bin |", "|---|---|---|---|---|---|", *summary, "",
         f"Mean return (lambda = 1 target, same for every critic), first bin: {r.mc_return[0]:+.3f}.", "",
-        "Sign measured (SE over responses of each response's own first-bin mean):", *signs,
+        "Sign measured (SE over responses of each response's own first-bin mean):", *signs, "",
+        *mechanism_lines(r),
         *[f"- {LABELS[n]}: skipped, {why}." for n, why in r.skipped.items()], "",
         "For an exact critic every bin's expected mean advantage is 0 (reaching position t is part of s_t); "
         "a deviation is the critic's bias plus sampling noise. Late bins hold only the long responses, so "
@@ -304,6 +417,8 @@ def to_json(r: BiasResult) -> dict:
         "pearson": {k: {str(lam): c for lam, c in v.items()} for k, v in r.pearson.items()},
         "first_bin_se": {k: {str(lam): c for lam, c in v.items()} for k, v in r.first_bin_se.items()},
         "skipped": r.skipped, "rollout": r.rollout,
+        "first_quarter": {k: {str(lam): list(c) for lam, c in v.items()} for k, v in r.first_quarter.items()},
+        "box": r.box, "orm_quality": r.orm_quality,
     }
 
 
@@ -330,7 +445,7 @@ def main(args: Args, train_argv: list[str] = ()) -> BiasResult:
     del engine
     seconds = {"rollouts": time.perf_counter() - start}
     start = time.perf_counter()
-    result = measure(args, rollouts, paths, cfg.gamma)
+    result = measure(args, rollouts, paths, cfg.gamma, box_starts(tokenizer, rollouts))
     seconds["critics"] = time.perf_counter() - start
     args.out.mkdir(parents=True, exist_ok=True)
     png, md, js = (args.out / f"advantage_bias.{ext}" for ext in ("png", "md", "json"))

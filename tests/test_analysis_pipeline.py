@@ -137,3 +137,43 @@ def test_value_pretrain_curves_names_the_bad_file_and_line(tmp_path):
         value_pretrain_curves.main(value_pretrain_curves.Args(out=tmp_path / "out", runs=(tmp_path / "none",)))
     with pytest.raises(ValueError, match="no run under"):
         value_pretrain_curves.main(value_pretrain_curves.Args(out=tmp_path / "out", root=tmp_path / "empty"))
+
+
+def test_roc_auc_counts_ordered_pairs_and_ties_half():
+    scores = np.array([0.9, 0.1, 0.5, 0.5, -0.3])
+    positive = np.array([True, False, True, False, False])
+    pairs = [(p, n) for p in scores[positive] for n in scores[~positive]]
+    brute = np.mean([1.0 if p > n else 0.5 if p == n else 0.0 for p, n in pairs])
+    assert advantage_bias.roc_auc(scores, positive) == pytest.approx(brute) == pytest.approx(5.5 / 6)
+    assert math.isnan(advantage_bias.roc_auc(scores, np.zeros(5, dtype=bool)))
+
+
+def test_box_alignment_reads_the_values_around_the_final_box():
+    from rollout import RolloutBatch
+
+    tokenizer = task.build_tokenizer()
+    texts = ["a:1234\n\\boxed{1234}", "a:1234\na:1"]  # the second has no box: left out
+    ids = [tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for t in texts]
+    width = max(map(len, ids))
+    response = torch.tensor([i + [tokenizer.pad_token_id] * (width - len(i)) for i in ids])
+    mask = torch.tensor([[1.0] * len(i) + [0.0] * (width - len(i)) for i in ids])
+    batch = RolloutBatch(torch.ones(2, 1, dtype=torch.long), torch.ones(2, 1, dtype=torch.long), response, mask,
+                         torch.zeros(2, width), ["stop", "stop"])
+    rollouts = [(batch, None, torch.tensor([1.0, -1.0]))]
+    starts = advantage_bias.box_starts(tokenizer, rollouts)
+    assert starts == [[7, -1]]  # "a:1234\n" is 7 tokens
+    values = torch.where(torch.arange(width) < 7, -1.0, 0.5).expand(2, width) * mask  # -1 until the box opens
+    box = advantage_bias.box_alignment(rollouts, [values], starts)
+    assert box["responses"] == 1 and box["value_before"] == pytest.approx(-1.0)
+    assert (box["value_at_open"], box["value_after_open"], box["jump"]) == pytest.approx((0.5, 0.5, 0.0))
+    values = torch.where(torch.arange(width) <= 7, -1.0, 0.5).expand(2, width) * mask  # the jump inside the box
+    assert advantage_bias.box_alignment(rollouts, [values], starts)["jump"] == pytest.approx(1.5)
+
+
+def test_orm_quality_and_first_quarter_are_reported(bias):
+    result, out = bias
+    q = result.orm_quality["all"]
+    assert q["responses"] == 6 and 0.5 <= q["base_rate"] <= 1.0 and 0.0 <= q["sign_accuracy"] <= 1.0
+    assert set(result.first_quarter) == set(advantage_bias.CRITICS)
+    md = (out / "advantage_bias.md").read_text()
+    assert "base rate" in md and "first quarter" in md
