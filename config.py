@@ -233,7 +233,7 @@ PRESETS = {
     # cuts pi_SFT's longest ones (scored -1), and a larger ORM data set (RESULTS.md, "The long task").
     "tiny-long": Config(
         preset="tiny-long", task_length="long", max_new_tokens=800, sft_steps=1000,
-        orm_batches=8, orm_steps=120,
+        orm_batches=8, orm_steps=120, max_prompt_tokens=128,  # vLLM: 128 + 800 within the 1,024 positions
     ),
     "qwen2.5-32b": Config(  # PAPER.md §5 (VAPO's PPO settings; no KL, lambda_critic = 1)
         preset="qwen2.5-32b", value_pretrain_steps=100,
