@@ -1,4 +1,5 @@
 """SFT cold start (sft.py): response-only loss, token-mean accumulation, a smoke run, the report."""
+import json
 import random
 from types import SimpleNamespace
 
@@ -96,3 +97,13 @@ def test_prepare_sft_trains_once_then_reuses_the_cache(tmp_path, monkeypatch):
     assert sft.prepare_sft(SimpleNamespace(model=path, out_dir="elsewhere", sft_steps=2)) == path
     with pytest.raises(FileNotFoundError):
         sft.prepare_sft(SimpleNamespace(model=str(tmp_path), out_dir=str(tmp_path), sft_steps=2))
+
+
+def test_the_long_task_has_its_own_pi_sft_cache_with_wide_lines(tmp_path):
+    cfg = SimpleNamespace(model=None, out_dir=str(tmp_path), sft_steps=1, task_length="long")
+    path = sft.prepare_sft(cfg)
+    assert path == str(tmp_path / "_shared" / "sft-long") == sft.sft_cache_path(cfg)
+    saved = json.loads((tmp_path / "_shared" / "sft-long" / "sft_summary.json").read_text())["config"]
+    shape = task.SHAPES["long"]
+    assert (saved["width"], saved["min_difficulty"], saved["max_difficulty"]) == (shape.width, *shape.sft_difficulty)
+    assert not (tmp_path / "_shared" / "sft").exists()  # the short task's cache is left alone
