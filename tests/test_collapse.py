@@ -2,6 +2,7 @@
 through train.py on a micro setting."""
 import dataclasses
 import json
+import os
 import re
 import subprocess
 import sys
@@ -66,7 +67,7 @@ def test_micro_runs_of_both_end_with_the_summary_line(tmp_path):
     # The short task's lines keep this under a minute; the long task's own pi_SFT cache: test_sft.py.
     cmd = [sys.executable, str(ROOT / "analysis" / "collapse.py"), "--steps", "2", "--out", str(tmp_path / "out"),
            "--out-dir", str(tmp_path / "runs"), "--", *MICRO, "--value-pretrain-steps", "1", "--task-length", "short"]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr[-3000:]
     last = done.stdout.strip().splitlines()[-1]
     assert LINE.fullmatch(last), last
