@@ -13,6 +13,10 @@ from typing import Literal
 import tyro
 
 
+class ConfigError(ValueError):
+    """Settings that cannot run: a bad flag value, or settings that differ from what is on disk."""
+
+
 @dataclasses.dataclass
 class Config:
     """VC-PPO. Every field is a command-line flag (`--lam-actor 0.99`); `--preset` picks the defaults."""
@@ -218,7 +222,7 @@ class Config:
                     "num_minibatches": f" (must divide the {rows_per_rank} rows each rank gets a step)",
                     "tensor_parallel_size": f" (must divide the world size, {world_size}; run under torchrun)",
                     "data": " (no such file, or no --model: the built-in pi_SFT knows only the built-in task)"}
-            raise ValueError(f"invalid config: --{name.replace('_', '-')} = {getattr(self, name)!r}"
+            raise ConfigError(f"invalid config: --{name.replace('_', '-')} = {getattr(self, name)!r}"
                              f"{hint.get(name, '')}")
 
 
@@ -236,7 +240,7 @@ PRESETS = {
 
 
 def check_settings(where: str, stored: dict, wanted: dict, ignore=(), remedy: str = "delete it") -> None:
-    """Stop when something saved on disk (a run directory, a cached model) was made with other
+    """ConfigError when something saved on disk (a run directory, a cached model) was made with other
     settings than `wanted`: reusing it would silently mix two experiments. Keys in `ignore` may
     differ; out_dir compares as a path."""
     same_dir = lambda a, b: isinstance(a, str) and os.path.realpath(a) == os.path.realpath(b)  # noqa: E731
@@ -245,7 +249,7 @@ def check_settings(where: str, stored: dict, wanted: dict, ignore=(), remedy: st
     if diff:
         shown = ", ".join(f"{k} {stored.get(k)!r} -> {wanted[k]!r}" for k in diff[:4])
         more = ", ..." if len(diff) > 4 else ""
-        raise SystemExit(f"error: {where} was made with other settings ({shown}{more}); {remedy}")
+        raise ConfigError(f"{where} was made with other settings ({shown}{more}); {remedy}")
 
 
 def launch_world_size(cfg: Config) -> int:
@@ -256,7 +260,7 @@ def launch_world_size(cfg: Config) -> int:
 
 def parse_config(argv: list[str], description: str | None = None) -> Config:
     """`--preset NAME` chooses the defaults; every other flag overrides one field; `description`
-    heads `--help`. A bad value exits with a message naming the flag."""
+    heads `--help`. A bad value raises ConfigError naming the flag."""
     preset = "tiny"
     for i, arg in enumerate(argv):
         if arg == "--preset" and i + 1 < len(argv):
@@ -264,12 +268,9 @@ def parse_config(argv: list[str], description: str | None = None) -> Config:
         elif arg.startswith("--preset="):
             preset = arg.split("=", 1)[1]
     if preset not in PRESETS:
-        raise SystemExit(f"error: --preset must be one of {sorted(PRESETS)}, got {preset!r}")
+        raise ConfigError(f"--preset must be one of {sorted(PRESETS)}, got {preset!r}")
     cfg = tyro.cli(Config, default=PRESETS[preset], args=argv, description=description)
-    try:
-        cfg.validate(world_size=launch_world_size(cfg))
-    except ValueError as err:
-        raise SystemExit(f"error: {err}") from None
+    cfg.validate(world_size=launch_world_size(cfg))
     if cfg.run_name is None:
         cfg = dataclasses.replace(cfg, run_name=f"{cfg.preset}__{cfg.critic_init}__seed{cfg.seed}")
     return cfg

@@ -69,12 +69,12 @@ class RolloutBatch:
         return RolloutBatch(self.prompt_ids[:, -P:], self.prompt_mask[:, -P:], self.response_ids[:, :T],
                             self.response_mask[:, :T], self.logprobs[:, :T], self.finish_reasons)
 
-    def micro_batches(self, rows: torch.Tensor, size: int):
-        """Yield (row numbers, trimmed sub-batch) for `rows` split into micro-batches of `size`,
-        sorted by response length, so that each is padded only to its own longest response."""
-        by_length = rows[self.lengths[rows].argsort(stable=True)]
-        for micro_rows in by_length.split(size):
-            yield micro_rows, self.select(micro_rows).trim()
+    def micro_batches(self, index: torch.Tensor, size: int):
+        """Yield (row numbers, trimmed sub-batch) for the rows `index` split into micro-batches of
+        `size`, sorted by response length, so that each is padded only to its own longest response."""
+        by_length = index[self.lengths[index].argsort(stable=True)]
+        for micro_index in by_length.split(size):
+            yield micro_index, self.select(micro_index).trim()
 
     def to(self, device) -> "RolloutBatch":
         """The same batch with its tensors on `device` (where the trained models are)."""
@@ -84,13 +84,13 @@ class RolloutBatch:
     def select(self, index) -> "RolloutBatch":
         """Rows `index` (a slice, list or tensor of row numbers); padding widths are kept."""
         if isinstance(index, slice):
-            rows = list(range(len(self)))[index]
+            picks = list(range(len(self)))[index]
         else:
-            rows = torch.as_tensor(index).tolist()
+            picks = torch.as_tensor(index).tolist()
         picked = {
-            f.name: getattr(self, f.name)[rows] for f in fields(self) if f.name != "finish_reasons"
+            f.name: getattr(self, f.name)[picks] for f in fields(self) if f.name != "finish_reasons"
         }
-        return RolloutBatch(**picked, finish_reasons=[self.finish_reasons[i] for i in rows])
+        return RolloutBatch(**picked, finish_reasons=[self.finish_reasons[i] for i in picks])
 
 
 def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

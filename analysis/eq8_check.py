@@ -11,11 +11,10 @@ no sampling noise, for several lambdas and critics V'. The script shows the thre
     python analysis/eq8_check.py                      # writes runs/analysis/eq8_check.{png,md}
     python analysis/eq8_check.py --horizon 8 --n-tokens 3 --out /tmp/eq8
 """
-import sys; from pathlib import Path; sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # repo root
-
 import itertools
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import matplotlib
 
@@ -23,9 +22,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
-import tyro
 from tqdm import tqdm
 
+from analysis import run_cli
 from gae import compute_gae, eq8_advantages
 
 MAX_RESPONSES = 200_000  # the enumeration is exact, so it must stay small
@@ -239,4 +238,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    run_cli(main, Args, __doc__)

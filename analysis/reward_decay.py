@@ -9,10 +9,9 @@ so the figure checks the code as well as the formula.
     python analysis/reward_decay.py                   # writes runs/analysis/reward_decay.{png,md}
     python analysis/reward_decay.py --lambdas 0.9 0.99 --max-distance 2000 --out /tmp/decay
 """
-import sys; from pathlib import Path; sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # repo root
-
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import matplotlib
 
@@ -20,9 +19,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
-import tyro
 from tqdm import tqdm
 
+from analysis import run_cli
 from gae import compute_gae
 
 
@@ -137,4 +136,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    run_cli(main, Args, __doc__)

@@ -20,13 +20,11 @@ import argparse
 import ctypes
 import os
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import gae  # noqa: E402
+import gae
 
 SHAPES = ((64, 8192), (16, 32768))
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import task
-from critic import assert_finite, load_value_model, response_values, value_outputs
-from ppo import response_logprobs
+from critic import load_value_model, response_values, value_outputs
+from ppo import assert_finite, response_logprobs
 from rollout import HFRollout, decode_responses, left_pad
 
 
