@@ -1,5 +1,5 @@
 """The configuration of a VC-PPO run: one dataclass whose fields are `train.py`'s flags, its two
-presets (`tiny`: the built-in task on a CPU; `qwen2.5-32b`: the paper's settings, PAPER.md §5) and
+presets (`tiny`: the built-in task on a CPU; `qwen2.5-32b`: the settings reported for the paper) and
 the parser that checks every value at start. The ablation switches of the paper are grouped under
 "VC-PPO switches"."""
 
@@ -228,7 +228,9 @@ class Config:
 
 PRESETS = {
     "tiny": Config(),
-    "qwen2.5-32b": Config(  # PAPER.md §5 (VAPO's PPO settings; no KL, lambda_critic = 1)
+    # Qwen2.5-32B after a short Long-CoT SFT, as in the paper; VAPO's PPO settings (actor lr 1e-6,
+    # critic lr 2e-6, warm-up then constant, 8192 prompts x 1 sample, mini-batch 512), no KL term.
+    "qwen2.5-32b": Config(
         preset="qwen2.5-32b", value_pretrain_steps=100,
         lam_actor=0.99, steps=1000, prompts_per_step=8192, samples_per_prompt=1,
         num_minibatches=16, micro_batch_size=1, actor_lr=1e-6, critic_lr=2e-6,

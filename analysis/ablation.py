@@ -1,4 +1,4 @@
-"""The ablation grid on the built-in task (paper Fig. 1 and Table 2; PAPER.md §6-7).
+"""The ablation grid on the built-in task (paper Fig. 1 and Table 2).
 
 Runs `train.py` once per (variant, seed), or reads the runs that already finished, then draws
 response length and accuracy over PPO steps (mean and +-1 std over seeds) and tabulates the held-out
@@ -45,7 +45,7 @@ from config import Config, check_settings, parse_config
 
 TRAIN = Path(__file__).resolve().parents[1] / "train.py"
 
-VARIANTS = {  # name -> (train.py flags, AIME 2024 pass@1 of the paper at 8k context, PAPER.md §6)
+VARIANTS = {  # name -> (train.py flags, AIME 2024 pass@1 the paper reports at 8k context)
     "ppo": (["--critic-init", "rm", "--value-pretrain-steps", "0", "--lam-critic", "0.95"], 5.6),
     "vc-ppo-no-vp": (["--critic-init", "rm", "--value-pretrain-steps", "0"], None),
     "vc-ppo-no-dgae": (["--lam-critic", "0.95"], 29.4),

@@ -1,4 +1,4 @@
-"""Advantage and value by token position on pi_SFT's rollouts (paper §3.1, Fig. 2; PAPER.md §1, cause 1).
+"""Advantage and value by token position on pi_SFT's rollouts (paper §3.1, Fig. 2: value initialisation bias).
 
 At the start of PPO the policy is pi_SFT. Its rollouts are scored (+-1 on the last token) and three
 critics read V(s_t) on them: the outcome reward model (plain PPO's critic initialisation), pi_SFT with

@@ -1,4 +1,4 @@
-"""Value pretraining curves: value loss and explained variance per step (paper §3.2; PAPER.md §2, §7).
+"""Value pretraining curves: value loss and explained variance per step (paper §3.2).
 
 The paper watches both while the critic is regressed on lambda = 1 targets of the frozen pi_SFT: a
 fast "range alignment" phase, then slower "knowledge injection"; it stops near 100 steps. This
