@@ -120,20 +120,20 @@ def length_adaptive_lambda(lengths, alpha=0.05):
     return (1 - 1 / (alpha * lengths.float())).clamp(0.0, 1.0)
 
 
-def grpo_advantages(scores, mask, group_size, eps=1e-6):
+def grpo_advantages(outcomes, mask, group_size, eps=1e-6):
     """GRPO outcome advantage: (r - mean_group) / (std_group + eps), broadcast on valid tokens.
     Consecutive rows in groups of group_size share a prompt; std is Bessel-corrected."""
-    if not isinstance(scores, torch.Tensor) or scores.dim() != 1:
-        raise ValueError(f"scores must be a 1-D tensor [B], got {getattr(scores, 'shape', scores)}")
+    if not isinstance(outcomes, torch.Tensor) or outcomes.dim() != 1:
+        raise ValueError(f"outcomes must be a 1-D tensor [B], got {getattr(outcomes, 'shape', outcomes)}")
     check_masked_inputs(mask, right_padded=True)
-    if not torch.isfinite(scores).all():
-        raise ValueError("scores contains NaN or inf")
-    if group_size < 2 or scores.shape[0] % group_size or mask.shape[0] != scores.shape[0]:
+    if not torch.isfinite(outcomes).all():
+        raise ValueError("outcomes contains NaN or inf")
+    if group_size < 2 or outcomes.shape[0] % group_size or mask.shape[0] != outcomes.shape[0]:
         raise ValueError(
             f"need group_size >= 2 dividing B; got group_size={group_size}, "
-            f"scores {tuple(scores.shape)}, mask {tuple(mask.shape)}"
+            f"outcomes {tuple(outcomes.shape)}, mask {tuple(mask.shape)}"
         )
-    groups = scores.float().view(-1, group_size)
+    groups = outcomes.float().view(-1, group_size)
     adv = (groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + eps)
     return adv.view(-1, 1) * mask.float()
 

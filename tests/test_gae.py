@@ -239,7 +239,7 @@ def test_grpo_and_length_lambda_reject_bad_input():
     mask = torch.ones(6, 3)
     with pytest.raises(ValueError, match="group_size"):
         grpo_advantages(torch.zeros(6), mask, group_size=4)
-    with pytest.raises(ValueError, match="scores contains NaN"):
+    with pytest.raises(ValueError, match="outcomes contains NaN"):
         grpo_advantages(torch.tensor([0.0, float("nan"), 1.0, 1.0, 0.0, 0.0]), mask, group_size=2)
     with pytest.raises(ValueError, match="alpha"):
         length_adaptive_lambda(torch.tensor([10]), alpha=0.0)
