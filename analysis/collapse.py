@@ -24,10 +24,9 @@ train.py runs, after the preset.
     python analysis/collapse.py --seed 0 --steps 100       # runs/long/ablation__{ppo,vc-ppo}__seed0
     python analysis/collapse.py --seed 1 --steps 100 --out results/collapse
 """
-import sys; from pathlib import Path; sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # repo root
-
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import matplotlib
 
@@ -153,6 +152,6 @@ def main(args: Args, train_flags: list[str]) -> dict:
 
 
 if __name__ == "__main__":
-    from analysis import cli_with_train_flags
+    from analysis import run_cli
 
-    main(*cli_with_train_flags(Args, __doc__))
+    run_cli(main, Args, __doc__, with_train_flags=True)

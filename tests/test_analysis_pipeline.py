@@ -150,6 +150,7 @@ def test_roc_auc_counts_ordered_pairs_and_ties_half():
 
 def test_box_alignment_reads_the_values_around_the_final_box():
     from rollout import RolloutBatch
+    from sampling import ScoredBatch
 
     tokenizer = task.build_tokenizer()
     texts = ["a:1234\n\\boxed{1234}", "a:1234\na:1"]  # the second has no box: left out
@@ -159,7 +160,7 @@ def test_box_alignment_reads_the_values_around_the_final_box():
     mask = torch.tensor([[1.0] * len(i) + [0.0] * (width - len(i)) for i in ids])
     batch = RolloutBatch(torch.ones(2, 1, dtype=torch.long), torch.ones(2, 1, dtype=torch.long), response, mask,
                          torch.zeros(2, width), ["stop", "stop"])
-    rollouts = [(batch, None, torch.tensor([1.0, -1.0]))]
+    rollouts = [ScoredBatch(batch, texts, torch.tensor([1.0, -1.0]), torch.zeros(2, width), 0, 1, {})]
     starts = advantage_bias.box_starts(tokenizer, rollouts)
     assert starts == [[7, -1]]  # "a:1234\n" is 7 tokens
     values = torch.where(torch.arange(width) < 7, -1.0, 0.5).expand(2, width) * mask  # -1 until the box opens
