@@ -15,27 +15,31 @@ import torch
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForTokenClassification
 
-from fsdp_utils import reduce_metrics
+from fsdp_utils import copy_local_rows, load_pretrained, reduce_metrics
 from rollout import RolloutBatch
 
 
-def load_value_model(path: str, head_init_std: float | None = None, dtype=torch.float32):
-    """A backbone + scalar head from `path`.
+def load_value_model(path: str, head_init_std: float | None = None, seed: int = 0, device=None, **shard_options):
+    """A backbone + scalar head from `path`, in fp32 (`fsdp_utils.load_pretrained`: sharded by
+    `shard_model(model, **shard_options)` under torchrun, without a whole model on any rank).
 
     If `path` holds a value model (critic or reward model), its head is loaded as saved.
-    If it holds a causal LM (pi_SFT), the head is new: weights ~ N(0, head_init_std), bias 0, so
-    the critic starts near V = 0 rather than from Hugging Face's default initialisation.
+    If it holds a causal LM (pi_SFT), the head is new: weights ~ N(0, head_init_std) drawn from
+    `seed` (the same head on every rank and at every world size), bias 0, so the critic starts
+    near V = 0 rather than from Hugging Face's default initialisation.
     """
     config = AutoConfig.from_pretrained(path)
     has_head = any("TokenClassification" in a for a in (config.architectures or []))
     config.num_labels = 1
     config.classifier_dropout = 0.0  # a regression head; dropout would only add noise to V
-    model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=dtype)
+    head = ("score.weight", "score.bias")
+    model = load_pretrained(AutoModelForTokenClassification, path, config, fresh=() if has_head else head,
+                            device=device, **shard_options)
     if not has_head or head_init_std is not None:
         std = 0.02 if head_init_std is None else head_init_std
-        with torch.no_grad():
-            model.score.weight.normal_(0.0, std)
-            model.score.bias.zero_()
+        weight = torch.empty(model.score.weight.shape).normal_(0.0, std, generator=torch.Generator().manual_seed(seed))
+        copy_local_rows(model.score.weight, weight)
+        copy_local_rows(model.score.bias, torch.zeros(model.score.bias.shape))
     return model
 
 

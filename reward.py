@@ -290,9 +290,13 @@ def train_orm(model, batches: list, labels: list, steps: int, lr: float,
     """Train the ORM: MSE between the last-token output and the +-1 label, as a reward model is.
 
     `batches` are `RolloutBatch`es, `labels[i]` a float tensor [B_i] of +-1 (e.g. `rule_reward`).
-    Steps cycle through the batches. Returns per-step metrics (loss, sign accuracy).
+    Steps cycle through the batches. Returns per-step metrics (loss, sign accuracy). Under torchrun
+    `model` is sharded and each rank holds its share of every batch: the squared errors are divided
+    by the global row count and FSDP sums the gradients, so the step is the single-process one.
     """
     import torch
+
+    from fsdp_utils import all_reduce, reduce_metrics
 
     if len(batches) != len(labels) or not batches:
         raise ValueError(f"train_orm: need as many label tensors as batches (>0); got "
@@ -307,15 +311,19 @@ def train_orm(model, batches: list, labels: list, steps: int, lr: float,
     history = []
     for step in range(steps):
         batch, label = batches[step % len(batches)], labels[step % len(batches)].float()
+        rows = all_reduce(torch.tensor(float(len(batch)))).item()  # the global batch
         scores = _last_token_outputs(model, batch)
-        loss = torch.nn.functional.mse_loss(scores, label)  # loss at the last token only
+        squared_errors = ((scores - label) ** 2).sum()
+        loss = squared_errors / rows  # MSE at the last token only, over every rank's rows
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         optimizer.step()
-        accuracy = (torch.sign(scores.detach()) == torch.sign(label)).float().mean()
-        history.append({"step": step, "orm/loss": loss.item(), "orm/sign_accuracy": accuracy.item(),
-                        "orm/grad_norm": grad_norm.item()})
+        correct = (torch.sign(scores.detach()) == torch.sign(label)).float().sum()
+        totals = reduce_metrics({"loss": squared_errors.item(), "correct": correct.item()}, sums=("loss", "correct"))
+        history.append({"step": step, "orm/loss": totals["loss"] / rows,
+                        "orm/sign_accuracy": totals["correct"] / rows, "orm/grad_norm": grad_norm})
     model.eval()
     return history
 
@@ -383,7 +391,7 @@ def prepare_orm(cfg, sft_path: str, engine, tokenizer, records: list[dict], grad
     from config import check_settings
     from critic import load_value_model
     from data import sample_prompts, stream_seed
-    from fsdp_utils import export_hf_checkpoint, world_size
+    from fsdp_utils import barrier, export_hf_checkpoint, local_device, rank, shard_options, world_size
     from rollout import decode_responses
     from rundir import write_json
 
@@ -395,12 +403,6 @@ def prepare_orm(cfg, sft_path: str, engine, tokenizer, records: list[dict], grad
             with open(saved) as f:
                 check_settings(path, json.load(f), settings, remedy="delete it to train a new one")
         return path
-    if world_size() > 1:
-        # train_orm is a single-process trainer (whole model, whole batch): under torchrun each rank
-        # would train its own ORM on its share of the samples. Train it once, then reuse the cache.
-        raise SystemExit(f"error: --critic-init rm under torchrun needs a trained outcome reward model at {path} "
-                         f"(a Hugging Face token-classification checkpoint, 1 label): train.py trains one only "
-                         f"in a single process")
     batches, labels = [], []
     for i in tqdm(range(cfg.orm_batches), desc="ORM data", dynamic_ncols=True, leave=False):
         prompts = sample_prompts(records, dataclasses.replace(cfg, seed=0), i, stream="orm")
@@ -409,15 +411,20 @@ def prepare_orm(cfg, sft_path: str, engine, tokenizer, records: list[dict], grad
         scores, _, _ = score_rollout(batch, decode_responses(tokenizer, batch), prompts, grader, cfg)
         batches.append(batch)
         labels.append(scores)
-    model = load_value_model(sft_path)
+    # Sharded under torchrun like the critic, each rank training on its own samples.
+    model = load_value_model(sft_path, seed=stream_seed(0, "orm/head", 0), device=local_device(),
+                             **shard_options(cfg))
     history = train_orm(model, batches, labels, steps=cfg.orm_steps, lr=cfg.orm_lr)
-    # The settings go in before the directory takes its final name: a kill never leaves a cache
-    # without them, which would be taken as it is.
+    # Written once, streamed from the shards (collective); the settings go in before the directory
+    # takes its final name: a kill never leaves a cache without them, which would be taken as it is.
     staged = path + ".new"
     export_hf_checkpoint(model, tokenizer, staged)
-    write_json(os.path.join(staged, "orm_settings.json"), settings)
-    os.replace(staged, path)
+    if rank() == 0:
+        write_json(os.path.join(staged, "orm_settings.json"), settings)
+        os.replace(staged, path)
+    barrier()
     last = history[-1]
-    tqdm.write(f"ORM: {cfg.orm_steps} steps on {sum(map(len, batches))} graded samples, "
-               f"loss {last['orm/loss']:.3f}, sign accuracy {last['orm/sign_accuracy']:.2f} -> {path}")
+    if rank() == 0:
+        tqdm.write(f"ORM: {cfg.orm_steps} steps on {sum(map(len, batches)) * world_size()} graded samples, "
+                   f"loss {last['orm/loss']:.3f}, sign accuracy {last['orm/sign_accuracy']:.2f} -> {path}")
     return path

@@ -158,17 +158,18 @@ def ppo_step(cfg, step, models, optimizers, engine, tokenizer, records, grader, 
     return metrics
 
 
-def shard(cfg, model, dist_info):
-    """FSDP2 under torchrun (which places each shard on this rank's device itself); one process
-    keeps the model whole and only moves it to the device."""
-    if dist_info.world_size == 1:
-        return model.to(dist_info.device)
-    return fsdp_utils.shard_model(model, cfg.mixed_precision, cfg.activation_checkpointing, cfg.cpu_offload)
-
-
 def load_actor(cfg, path: str, dist_info):
-    """pi_SFT as a causal LM."""
-    return shard(cfg, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), dist_info)
+    """pi_SFT as a causal LM (the actor, and the frozen reference policy of --kl-coef): sharded
+    under torchrun without a whole model on any rank; one process keeps it whole on its device."""
+    return fsdp_utils.load_pretrained(AutoModelForCausalLM, path, device=dist_info.device,
+                                      **fsdp_utils.shard_options(cfg))
+
+
+def load_critic(cfg, path: str, dist_info):
+    """The critic from pi_SFT (with a fresh head), the outcome reward model or a value-pretrained
+    critic, loaded as the actor is; a fresh head is drawn from the run's seed."""
+    return load_value_model(path, seed=stream_seed(cfg.seed, "critic/head", 0), device=dist_info.device,
+                            **fsdp_utils.shard_options(cfg))
 
 
 def build_engine(cfg, actor, path: str, tokenizer):
@@ -218,8 +219,7 @@ def main(cfg: Config) -> dict:
         critic_init = prepare_orm(cfg, sft_path, engine, tokenizer, train_records, grader)
         vp_dir = os.path.join(run_dir, "value_pretrain")
         pretrained = cfg.value_pretrain_steps > 0 and os.path.exists(os.path.join(vp_dir, "critic"))
-        critic = shard(cfg, load_value_model(os.path.join(vp_dir, "critic") if pretrained else critic_init),
-                       dist_info)
+        critic = load_critic(cfg, os.path.join(vp_dir, "critic") if pretrained else critic_init, dist_info)
         if cfg.value_pretrain_steps > 0 and not pretrained:
             pretrain_opt = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr, weight_decay=0.0)
             history = pretrain_value(cfg, critic, pretrain_opt, engine, tokenizer, train_records, grader, vp_dir)

@@ -24,7 +24,8 @@ WEIGHT_ATOL = 1e-5
 
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory):
-    return run_torchrun("fsdp_worker.py", str(tmp_path_factory.mktemp("fsdp")))[0]
+    out_dir = tmp_path_factory.mktemp("fsdp")
+    return run_torchrun("fsdp_worker.py", str(out_dir))[0] | {"out_dir": out_dir}
 
 
 @pytest.mark.slow
@@ -63,6 +64,34 @@ def test_export_from_sharded_model_loads_as_same_hf_weights(fsdp_run):
     r = fsdp_run["export"]
     assert r["weight_max_diff"] == 0.0 and r["tied"]
     assert "model.safetensors.index.json" in r["files"] and "tokenizer.json" in r["files"]
+
+
+@pytest.mark.slow
+def test_sharded_loading_reads_each_ranks_shards_exactly_from_the_checkpoint(fsdp_run):
+    r = fsdp_run["loading"]
+    assert r["sharded"] and r["files"] >= 3  # FSDP2 parameters, from a checkpoint in several files
+    assert r["differ"] == {"actor": [], "critic": [], "value": []} and r["checked"] > 20  # bitwise, bf16 -> fp32
+    assert r["tied"]  # the head is still the embedding
+    assert r["rotary_max_diff"] == 0.0  # the non-persistent buffer was recomputed, not left as garbage
+    assert r["logits_max_diff"]["actor"] <= 1e-6 and r["logits_max_diff"]["value"] <= 1e-6
+    assert r["eval_mode"]
+
+
+@pytest.mark.slow
+def test_sharded_fresh_value_head_is_the_single_process_head_of_the_same_seed(fsdp_run):
+    from critic import load_value_model
+    from data import stream_seed
+
+    single = load_value_model(str(fsdp_run["out_dir"] / "bf16"), seed=stream_seed(7, "critic/head", 0))
+    head = single.score.weight.flatten().tolist() + single.score.bias.tolist()
+    assert fsdp_run["loading"]["head"] == head and any(head)
+
+
+@pytest.mark.slow
+def test_sharded_loading_names_what_is_wrong_with_a_checkpoint(fsdp_run):
+    errors = fsdp_run["loading"]["errors"]
+    assert "no tensor model.norm.weight in the checkpoint" in errors["broken"]
+    assert "no model.safetensors or model.safetensors.index.json" in errors["no_safetensors"]
 
 
 EXIT_WORKER = """
