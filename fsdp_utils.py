@@ -199,6 +199,7 @@ def load_pretrained(model_class, path: str, config=None, fresh=(), device=None, 
     if world_size() == 1:
         model = model_class.from_pretrained(path, config=config, dtype=torch.float32)
         return model if device is None else model.to(device)
+    from tqdm import tqdm
     from transformers import AutoConfig, GenerationConfig
 
     config = config if config is not None else AutoConfig.from_pretrained(path)
@@ -214,7 +215,9 @@ def load_pretrained(model_class, path: str, config=None, fresh=(), device=None, 
             model._init_weights(module)
     weights = _safetensors_index(path)
     saved = model.state_dict().keys()  # parameters (a tied one under both names) and persistent buffers
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    for name, tensor in tqdm(tensors, desc=f"loading {os.path.basename(path)} (shards)", leave=False,
+                             disable=rank() != 0, dynamic_ncols=True):
         if name not in saved:
             continue
         if name in weights:
