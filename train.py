@@ -182,19 +182,22 @@ def build_engine(cfg, actor, path: str, tokenizer):
 
 
 def print_plan(cfg: Config) -> None:
-    """--plan: per-GPU memory of this config at torchrun's world size (16 when not under torchrun)."""
+    """--plan: per-GPU and per-node host memory of this config at torchrun's world size (16 when
+    not under torchrun, nodes of LOCAL_WORLD_SIZE or 8 GPUs), then what it needs at 8 and 16 GPUs."""
     import memory_plan
 
     shape = memory_plan.QWEN25_32B  # --plan without --model: the paper's model
     if cfg.model is not None:
         shape = memory_plan.ModelShape.from_config(AutoConfig.from_pretrained(prepare_sft(cfg)))  # checks --model
-    print(memory_plan.plan(
-        shape, launch_world_size(cfg),
+    options = dict(
         tensor_parallel_size=cfg.tensor_parallel_size,
         micro_batch_tokens=cfg.micro_batch_size * (cfg.max_prompt_tokens + cfg.max_new_tokens),
         gpu_memory_utilization=cfg.gpu_memory_utilization, mixed_precision=cfg.mixed_precision,
         activation_checkpointing=cfg.activation_checkpointing, cpu_offload=cfg.cpu_offload,
-    ))
+        gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", 8)), reference_policy=bool(cfg.kl_coef),
+    )
+    print(memory_plan.plan(shape, launch_world_size(cfg), **options))
+    print("\n".join(memory_plan.needs(shape, **options)))
 
 
 def main(cfg: Config) -> dict:

@@ -211,3 +211,22 @@ def test_memory_plan_32b_actor_and_critic_fit_16_h200_but_not_8():
     assert not plan(QWEN25_32B, world_size=16, micro_batch_tokens=4 * 9216).fits  # logits dominate
     with pytest.raises(ValueError, match="multiple of tensor_parallel_size"):
         plan(QWEN25_32B, world_size=6, tensor_parallel_size=4)
+
+
+def test_memory_plan_host_per_node_holds_read_buffers_not_whole_models():
+    from memory_plan import GIB, QWEN25_32B, needs, plan
+
+    sharded = {name: values for name, *values in plan(QWEN25_32B, world_size=16).host_rows}
+    assert sharded["loading: each rank's read buffer (2 x 64 MiB)"][0] == 8 * 128 / 1024  # GiB, 8 ranks per node
+    assert plan(QWEN25_32B, world_size=16).host_peak_gib < 10  # the HF export's 4 GiB file + one fp32 tensor
+    single = plan(QWEN25_32B, world_size=4, tensor_parallel_size=1, gpus_per_node=1)
+    assert single.host_rows[0][1] == 0.125  # one rank per node
+    one_process = plan(QWEN25_32B, world_size=1, tensor_parallel_size=1)
+    assert one_process.host_peak_gib == pytest.approx(32_763_876_352 * 6 / GIB)  # whole fp32 model + bf16 pages
+    offloaded = plan(QWEN25_32B, world_size=8, cpu_offload=True)
+    states = (QWEN25_32B.params() + QWEN25_32B.params(value_head=True)) * 16 / GIB  # params, grads, 2 AdamW
+    export = 4 + 152064 * 5120 * 4 / GIB  # rank 0's 4 GiB file + the fp32 embedding
+    assert offloaded.host_peak_gib == pytest.approx(states + export)  # one node holds all the states
+    at_8, at_16 = needs(QWEN25_32B)
+    assert at_8.startswith("at 8 GPUs (1 node of 8)") and "does NOT fit" in at_8
+    assert at_16.startswith("at 16 GPUs (2 nodes of 8)") and "(fits)" in at_16 and "host" in at_16
