@@ -78,6 +78,22 @@ def test_sharded_loading_reads_each_ranks_shards_exactly_from_the_checkpoint(fsd
 
 
 @pytest.mark.slow
+def test_orm_training_on_two_ranks_matches_one_process(fsdp_run):
+    from critic import load_value_model
+    from dist_workers.common import ORM_LABELS, orm_batch
+    from reward import train_orm
+
+    single = load_value_model(str(fsdp_run["out_dir"] / "orm_init"))  # the sharded run's starting weights
+    history = train_orm(single, [orm_batch([0, 1, 2, 3])], [ORM_LABELS], steps=3, lr=1e-3)
+    for h, sharded in zip(history, fsdp_run["orm"]):  # loss, sign accuracy, gradient norm per step
+        assert sharded == pytest.approx([h["orm/loss"], h["orm/sign_accuracy"], h["orm/grad_norm"]], rel=LOSS_RTOL)
+    assert history[-1]["orm/loss"] < history[0]["orm/loss"]  # it did train
+    trained = load_value_model(str(fsdp_run["out_dir"] / "orm_trained"))
+    weights = dict(trained.named_parameters())
+    assert max((p - weights[n]).abs().max().item() for n, p in single.named_parameters()) <= WEIGHT_ATOL
+
+
+@pytest.mark.slow
 def test_sharded_fresh_value_head_is_the_single_process_head_of_the_same_seed(fsdp_run):
     from critic import load_value_model
     from data import stream_seed

@@ -3,6 +3,7 @@
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -310,23 +311,78 @@ def test_resumed_metrics_log_replaces_the_steps_logged_after_the_checkpoint(tmp_
     assert [(e.step, e.value) for e in events.Scalars("x")] == expected
 
 
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+TORCHRUN_MICRO = [*MICRO, "--sft-steps", "4", "--steps", "2", "--value-pretrain-steps", "1"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("rollout", [["--rollout", "vllm", "--tensor-parallel-size", "2"], ["--rollout", "hf"]],
-                         ids=["vllm", "hf"])
-def test_whole_pipeline_runs_under_torchrun_with_fsdp2(tmp_path, rollout):
-    """Issue 5's end-to-end check: 2 ranks (gloo), FSDP2 actor and critic, vLLM tensor parallel 2
-    or HF generate on the sharded actor (whose no-grad forwards come before the optimizers)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(ROOT / "train.py"),
-           "--out-dir", str(tmp_path), *MICRO, "--sft-steps", "4", "--steps", "2", "--value-pretrain-steps", "1",
-           *rollout]
+def test_whole_pipeline_runs_under_torchrun_with_fsdp2_and_vllm(tmp_path):
+    """Issue 5's end-to-end check: 2 ranks (gloo), FSDP2 actor and critic, vLLM tensor parallel 2."""
+    cmd = [*TORCHRUN, "--nproc_per_node", "2", str(ROOT / "train.py"), "--out-dir", str(tmp_path), *TORCHRUN_MICRO,
+           "--rollout", "vllm", "--tensor-parallel-size", "2"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     run_dir = tmp_path / "tiny__sft__seed0"
     assert [r["step"] for r in read_metrics(run_dir)] == [0, 1]
     assert (run_dir / "summary.json").exists() and (run_dir / "value_pretrain" / "critic").is_dir()
-    if rollout[1] == "hf":  # the ORM trainer is single-process: under torchrun it must be cached
-        done = subprocess.run([*cmd, "--critic-init", "rm"], cwd=ROOT, capture_output=True, text=True, timeout=600)
-        assert done.returncode != 0 and "--critic-init rm under torchrun needs a trained outcome reward model" in done.stderr
+
+
+@pytest.fixture(scope="module")
+def one_node_and_two_nodes(tmp_path_factory):
+    """The tiny pipeline on 2 ranks with HF generate on the sharded actor, an ORM-initialised critic
+    (the ORM trained sharded) and a reference policy, so every model goes through the sharded
+    loader: once as one node of 2 processes, once as two torchrun agents (--nnodes 2, one process
+    each, distinct --node-rank, c10d rendezvous on localhost), which is how two nodes run it."""
+    flags = [*TORCHRUN_MICRO, "--rollout", "hf", "--critic-init", "rm", "--kl-coef", "0.05"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    one_node = tmp_path_factory.mktemp("one_node")
+    done = subprocess.run([*TORCHRUN, "--nproc_per_node", "2", str(ROOT / "train.py"), "--out-dir", str(one_node),
+                           *flags], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    two_nodes = tmp_path_factory.mktemp("two_nodes")
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    agents = [subprocess.Popen(
+        [*TORCHRUN, "--nnodes", "2", "--nproc_per_node", "1", "--node-rank", str(node), "--rdzv-backend", "c10d",
+         "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes", str(ROOT / "train.py"),
+         "--out-dir", str(two_nodes), *flags],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for node in (0, 1)]
+    try:
+        errors = [agent.communicate(timeout=600)[1] for agent in agents]
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                agent.kill()
+                agent.wait()
+    assert [agent.returncode for agent in agents] == [0, 0], "\n".join(e[-3000:] for e in errors)
+    return {name: out / "tiny__rm__seed0" for name, out in (("one_node", one_node), ("two_nodes", two_nodes))}
+
+
+@pytest.mark.slow
+def test_pipeline_with_sharded_orm_and_reference_policy_runs_under_torchrun(one_node_and_two_nodes):
+    run_dir = one_node_and_two_nodes["one_node"]
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [0, 1] and all("actor/kl" in r and "critic/vf_loss" in r for r in rows)
+    assert (run_dir / "summary.json").exists() and (run_dir / "value_pretrain" / "critic").is_dir()
+    orm = run_dir.parent / "_shared" / "orm"  # trained sharded, written once
+    assert (orm / "orm_settings.json").exists() and (orm / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_two_torchrun_agents_as_two_nodes_give_the_metrics_of_one_node(one_node_and_two_nodes):
+    one, two = (read_metrics(one_node_and_two_nodes[k]) for k in ("one_node", "two_nodes"))
+    assert [r["step"] for r in two] == [r["step"] for r in one] == [0, 1]
+    for a, b in zip(one, two):
+        assert a.keys() == b.keys()
+        for key, value in a.items():
+            if not key.startswith(("time/", "perf/")):
+                assert b[key] == pytest.approx(value, rel=1e-6, abs=1e-7, nan_ok=True), (a["step"], key)
+    one, two = (json.loads((one_node_and_two_nodes[k] / "summary.json").read_text())["ppo"]
+                for k in ("one_node", "two_nodes"))
+    assert one.keys() == two.keys() and "pass@1" in one
+    for key, value in one.items():  # the held-out scores after PPO, and the samples they came from
+        assert two[key] == (pytest.approx(value, rel=1e-6) if isinstance(value, float) else value), key
 
 
 def test_grpo_run_loads_no_critic_and_logs_no_critic_metrics(out_dir, sft):

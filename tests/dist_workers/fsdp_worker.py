@@ -11,6 +11,8 @@
 6. Sharded loading (train.load_actor, train.load_critic): each rank's shards of a bf16 checkpoint in
    several files, and of a value model, equal the checkpoint's tensors; the head stays tied, the
    rotary buffers are recomputed, outputs equal the unsharded model's; bad checkpoints are named.
+7. The outcome reward model's training (reward.train_orm) on each rank's half of a batch, for the
+   test to compare with one process on the whole batch.
 Each rank writes rank<r>.json into argv[1]; the test asserts on the numbers.
 """
 
@@ -114,8 +116,8 @@ mine = list(range(info.rank, 4, info.world_size))  # rows 0, 2 on rank 0; rows 1
 result = {}
 for name, load, model_class in (("actor", sharded_actor, AutoModelForCausalLM),
                                 ("critic", sharded_critic, AutoModelForTokenClassification)):
-    sharded = load()
-    single, start = unsharded_copy(sharded, model_class), full_state(sharded)
+    sharded = load().train()  # Hugging Face checkpoints layers in training mode only
+    single, start = unsharded_copy(sharded, model_class).train(), full_state(sharded)
     single_opt = optimizer(single)
     single_loss = step(single, single_opt, [0, 1, 2, 3], sharded=False)
     with torch.no_grad():  # as train.py evaluates pi_SFT before it builds the optimizers
@@ -244,6 +246,16 @@ result["loading"] = {
     "errors": errors,
     "eval_mode": not any(m.training for m in loaded.values()),
 }
+
+# 7. ORM training, sharded on half the rows per rank; the test trains one process on all of them.
+from common import ORM_LABELS, orm_batch  # noqa: E402
+from reward import train_orm  # noqa: E402
+
+orm = sharded_critic()
+export_hf_checkpoint(orm, None, os.path.join(out_dir, "orm_init"))
+history = train_orm(orm, [orm_batch(mine)], [ORM_LABELS[mine]], steps=3, lr=1e-3)
+export_hf_checkpoint(orm, None, os.path.join(out_dir, "orm_trained"))
+result["orm"] = [[h["orm/loss"], h["orm/sign_accuracy"], h["orm/grad_norm"]] for h in history]
 write_result(out_dir, info.rank, result)
 close_distributed()
 exit_now_if_gloo()
