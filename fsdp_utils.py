@@ -141,7 +141,8 @@ def shard_model(
     Gradients are SUMMED over ranks, not averaged: a loss normalised by the global token count
     (`all_reduce` of the local counts) then gives exactly the single-process gradient.
     mixed_precision (bf16 compute, fp32 sharded parameters and reduction) and cpu_offload apply
-    on GPU only. Under torchrun pass the model on CPU: FSDP2 moves each layer to the GPU as it
+    on GPU only. Under torchrun pass the model on the meta device (`load_pretrained` then gives
+    each rank memory for its shards only), or on CPU: FSDP2 moves each layer to the GPU as it
     shards it, so a large model never sits whole on one GPU (offloaded shards go back to CPU).
     Without a process group the model comes back unsharded, where it was (only the
     activation-checkpointing flag is set): world size 1 needs no wrapper.
