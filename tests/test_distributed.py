@@ -229,6 +229,15 @@ def test_memory_plan_32b_actor_and_critic_fit_16_h200_but_not_8():
         plan(QWEN25_32B, world_size=6, tensor_parallel_size=4)
 
 
+def test_memory_plan_host_constants_are_the_codes():
+    import inspect
+
+    import memory_plan
+
+    assert memory_plan.READ_BYTES == fsdp_utils.READ_BYTES
+    assert memory_plan.EXPORT_SHARD_BYTES == inspect.signature(export_hf_checkpoint).parameters["shard_bytes"].default
+
+
 def test_memory_plan_host_per_node_holds_read_buffers_not_whole_models():
     from memory_plan import GIB, QWEN25_32B, needs, plan
 

@@ -205,14 +205,12 @@ def saved_tensors(path):
 
 
 def shards_equal_checkpoint(model, path):
-    """Names whose local shard differs from its rows of the checkpoint (bf16 -> fp32 is exact)."""
-    from fsdp_utils import _local_rows
-
+    """Names whose shards, put together, differ from the checkpoint's tensor (bf16 -> fp32 is exact)."""
     saved = saved_tensors(path)
     differ = []
     for name, param in model.named_parameters():
-        local, rows = _local_rows(param)
-        if name in saved and not (local.dtype == torch.float32 and torch.equal(local, saved[name].float()[rows])):
+        full = param.full_tensor()  # collective: every rank checks every name
+        if name in saved and not (full.dtype == torch.float32 and torch.equal(full, saved[name].float())):
             differ.append(name)
     return differ
 
