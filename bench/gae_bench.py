@@ -20,13 +20,12 @@ import argparse
 import ctypes
 import os
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import gae  # noqa: E402
+import gae
+import gae_fast
 
 SHAPES = ((64, 8192), (16, 32768))
 
@@ -59,12 +58,12 @@ def time_loop(batch, repeats):
 
 def chunked_scan(rewards, values, mask):
     """decoupled_gae through the chunked scan, as GPU inputs run it."""
-    compiled_loop_applies = gae._compiled_loop_applies
-    gae._compiled_loop_applies = lambda *tensors: False
+    compiled_loop_applies = gae_fast.compiled_loop_applies
+    gae_fast.compiled_loop_applies = lambda *tensors: False
     try:
         return gae.decoupled_gae(rewards, values, mask, 1.0, 0.95, 1.0)
     finally:
-        gae._compiled_loop_applies = compiled_loop_applies
+        gae_fast.compiled_loop_applies = compiled_loop_applies
 
 
 def time_fast_and_copy(batch, repeats):
@@ -103,12 +102,12 @@ def keep_freed_memory():
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: robust to a shared CPU)")
-    parser.add_argument("--chunk", type=int, default=gae.CHUNK, help="chunk size of the chunked scan (gae.CHUNK)")
+    parser.add_argument("--chunk", type=int, default=gae_fast.CHUNK, help="chunk size of the chunked scan (gae_fast.CHUNK)")
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per measurement")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    gae.CHUNK = args.chunk
-    print(f"torch {torch.__version__}, threads={args.threads}, cpus={os.cpu_count()}, chunk={gae.CHUNK}", flush=True)
+    gae_fast.CHUNK = args.chunk
+    print(f"torch {torch.__version__}, threads={args.threads}, cpus={os.cpu_count()}, chunk={gae_fast.CHUNK}", flush=True)
 
     batches = {shape: make_batch(*shape) for shape in SHAPES}
     loop = {}

@@ -11,7 +11,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
-export PYTHONPATH=$PWD VLLM_ENABLE_V1_MULTIPROCESSING=0
+# The project, and the helpers its checks share with bench/ and the multi-process tests.
+export PYTHONPATH=$PWD:$PWD/bench:$PWD/tests/dist_workers VLLM_ENABLE_V1_MULTIPROCESSING=0
 unset PYTORCH_CUDA_ALLOC_CONF  # expandable_segments breaks vLLM sleep mode (vLLM #14189)
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
@@ -25,9 +26,8 @@ EOF
 
 echo "== part 0: decoupled GAE on the GPU (the chunked scan) against the CPU's compiled loop"
 "$PY" - <<'EOF'
-import sys, time
+import time
 import torch
-sys.path.insert(0, "bench")
 import gae
 from gae_bench import make_batch
 for shape in ((64, 8192), (16, 32768)):
@@ -51,7 +51,6 @@ agreement is measured, not required to be exact (a random model has near-ties, a
 diverges for good after its first different token). Weights that failed to load give ~0."""
 import os, sys, time
 import torch
-sys.path.insert(0, os.path.join(os.getcwd(), "tests", "dist_workers"))
 from common import PROMPTS, tiny_actor
 from fsdp_utils import export_hf_checkpoint, init_distributed, iter_full_weights, shard_model
 from rollout import HFRollout, VLLMRollout

@@ -25,7 +25,6 @@ import subprocess
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # head_dim 64; 22 layers of 11.0M + two 33.6M embeddings (32k vocabulary, untied): 309M parameters.
 SHAPE = dict(hidden_size=1024, num_hidden_layers=22, num_attention_heads=16, num_key_value_heads=2, head_dim=64,
              intermediate_size=2816, vocab_size=32768, tie_word_embeddings=False, max_position_embeddings=4096)
@@ -62,7 +61,6 @@ def main() -> None:
     import torch
     import transformers.models.qwen2.modeling_qwen2  # noqa: F401  (code, not data: imported before measuring)
 
-    sys.path.insert(0, REPO)
     import fsdp_utils
     import train
     from config import Config
@@ -70,7 +68,7 @@ def main() -> None:
     torch.set_num_threads(1)
     info = fsdp_utils.init_distributed()
     path = os.path.join(args.out, "qwen2-310m-bf16")
-    if info.is_main and not os.path.exists(path):
+    if fsdp_utils.is_main() and not os.path.exists(path):
         os.makedirs(args.out, exist_ok=True)
         subprocess.run([sys.executable, os.path.abspath(__file__), "--write-checkpoint", path], check=True)
     fsdp_utils.barrier()
@@ -96,7 +94,7 @@ def main() -> None:
     if info.world_size > 1:
         ranks = [None] * info.world_size
         torch.distributed.all_gather_object(ranks, mine)
-    if info.is_main:
+    if fsdp_utils.is_main():
         print(f"{path}: actor {sum(p.numel() for p in actor.parameters()) / 1e6:.0f}M + critic "
               f"{sum(p.numel() for p in critic.parameters()) / 1e6:.0f}M parameters = {fp32_bytes / GIB:.2f} GiB "
               f"in fp32, world size {info.world_size}")

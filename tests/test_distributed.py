@@ -81,7 +81,7 @@ def test_sharded_loading_reads_each_ranks_shards_exactly_from_the_checkpoint(fsd
 def test_orm_training_on_two_ranks_matches_one_process(fsdp_run):
     from critic import load_value_model
     from dist_workers.common import ORM_LABELS, orm_batch
-    from reward import train_orm
+    from critic import train_orm
 
     single = load_value_model(str(fsdp_run["out_dir"] / "orm_init"))  # the sharded run's starting weights
     history = train_orm(single, [orm_batch([0, 1, 2, 3])], [ORM_LABELS], steps=3, lr=1e-3)

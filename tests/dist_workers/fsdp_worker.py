@@ -11,7 +11,7 @@
 6. Sharded loading (train.load_actor, train.load_critic): each rank's shards of a bf16 checkpoint in
    several files, and of a value model, equal the checkpoint's tensors; the head stays tied, the
    rotary buffers are recomputed, outputs equal the unsharded model's; bad checkpoints are named.
-7. The outcome reward model's training (reward.train_orm) on each rank's half of a batch, for the
+7. The outcome reward model's training (critic.train_orm) on each rank's half of a batch, for the
    test to compare with one process on the whole batch.
 Each rank writes rank<r>.json into argv[1]; the test asserts on the numbers.
 """
@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 from common import tiny_actor, write_result
 from critic import load_value_model
 from fsdp_utils import (CheckpointError, all_reduce, close_distributed, exit_now_if_gloo, export_hf_checkpoint,
-                        init_distributed, iter_full_weights, load_checkpoint, load_pretrained, reduce_metrics,
+                        init_distributed, is_main, iter_full_weights, load_checkpoint, load_pretrained, reduce_metrics,
                         save_checkpoint, shard_model)
 from ppo import masked_whiten
 from rollout import HFRollout
@@ -43,7 +43,7 @@ ids = torch.randint(3, len(tokenizer), (4, 12), generator=g)
 mask = (torch.arange(12) < lengths[:, None]).long()
 targets = torch.randn(4, 12, generator=g)
 sft_path = os.path.join(out_dir, "sft")
-if info.is_main:
+if is_main():
     tiny_actor(seed=0)[1].save_pretrained(sft_path)
 torch.distributed.barrier()
 
@@ -158,7 +158,7 @@ result["resume"]["next_step_max_diff"] = max_diff(full_state(resumed), full_stat
 export = os.path.join(out_dir, "hf_export")
 expected = full_state(model)
 export_hf_checkpoint(model, tokenizer, export, shard_bytes=1 << 20)
-if info.is_main:
+if is_main():
     loaded = AutoModelForCausalLM.from_pretrained(export)
     result["export"] = {
         "files": sorted(os.listdir(export)),
@@ -186,7 +186,7 @@ result["sampling"] = {"ranks_differ": both[0] != both[1]}
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 bf16_path, value_path, broken_path, config_only = (os.path.join(out_dir, d) for d in ("bf16", "value", "broken", "bin"))
-if info.is_main:
+if is_main():
     actor().to(torch.bfloat16).save_pretrained(bf16_path, max_shard_size="200KB")  # several files + index
     value = AutoModelForTokenClassification.from_pretrained(sft_path, num_labels=1)  # a saved head
     torch.nn.init.normal_(value.score.weight, generator=torch.Generator().manual_seed(5))
@@ -247,7 +247,7 @@ result["loading"] = {
 
 # 7. ORM training, sharded on half the rows per rank; the test trains one process on all of them.
 from common import ORM_LABELS, orm_batch  # noqa: E402
-from reward import train_orm  # noqa: E402
+from critic import train_orm  # noqa: E402
 
 orm = sharded_critic()
 export_hf_checkpoint(orm, None, os.path.join(out_dir, "orm_init"))

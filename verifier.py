@@ -1,0 +1,267 @@
+"""The rule-based verifier (paper §4 setup): the paper's only training reward.
+
+- `rule_reward`: +1 if the last `\\boxed{}` / `\\fbox{}` of the response is mathematically equivalent
+  to the ground truth (math-verify), else -1: the outcome of a response.
+- `Grader`: the same outcome for a batch, in worker processes with a hard per-item timeout, because
+  math-verify can hang (its own timeout is signal-based, main-thread only, and cannot interrupt
+  C-level big-integer arithmetic such as `9^{9^{9^{9}}}`).
+
+No torch here: each grader worker runs this file as its own program and stays light.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from collections import deque
+from functools import lru_cache
+from multiprocessing.connection import Connection, Pipe, wait
+
+from math_verify import parse, verify
+
+# math-verify warns once that its timeout is disabled; the Grader's process timeout replaces it.
+logging.getLogger("math_verify").setLevel(logging.ERROR)
+
+_BOX_OPEN = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_PLAIN_INT = re.compile(r"-?\d{1,50}")
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last `\\boxed{...}` or `\\fbox{...}` (nested braces allowed), or None.
+
+    A last box that never closes (a truncated response) or is empty counts as no answer: an earlier
+    box was not the final answer either.
+    """
+    opens = list(_BOX_OPEN.finditer(text))
+    if not opens:
+        return None
+    start = k = opens[-1].end()
+    depth = 1
+    while k < len(text):
+        if text[k] == "\\":  # an escape: \{ and \} are literal braces (sets), \\ a line break
+            k += 2
+            continue
+        if text[k] == "{":
+            depth += 1
+        elif text[k] == "}":
+            depth -= 1
+            if depth == 0:
+                content = text[start:k].strip()
+                return content or None
+        k += 1
+    return None
+
+
+def _gold_text(ground_truth: str) -> str:
+    """The ground truth as bare LaTeX: the content of its last box if it has one, no `$` around."""
+    gold = last_boxed(ground_truth) or ground_truth
+    return gold.strip().strip("$").strip()
+
+
+def _fast_verdict(answer: str, gold: str) -> bool | None:
+    """Decide without math-verify when the strings settle it; None when they do not."""
+    if " ".join(answer.split()) == " ".join(gold.split()):
+        return True
+    if _PLAIN_INT.fullmatch(answer) and _PLAIN_INT.fullmatch(gold):
+        return int(answer) == int(gold)  # two integer literals are equal iff their values are
+    return None
+
+
+@lru_cache(maxsize=4096)
+def _parse(latex: str) -> list:
+    """math-verify parse of `$latex$` (cached: one gold is graded against many samples)."""
+    # Timeouts disabled: signal-based, they fail outside the main thread; callers bound the time.
+    return parse(f"${latex}$", parsing_timeout=None)
+
+
+def _math_equal(answer: str, gold: str) -> bool:
+    """math-verify equivalence of two bare LaTeX strings; any internal error is a mismatch."""
+    try:
+        return bool(verify(_parse(gold), _parse(answer), timeout_seconds=None))
+    except Exception:  # math-verify raises on some inputs despite raise_on_error=False
+        return False
+
+
+def rule_reward(response: str, ground_truth: str) -> float:
+    """+1.0 if the response's last box equals the ground truth mathematically, else -1.0.
+
+    Only `response` is graded, so callers pass the response text alone (a box in the prompt must not
+    count). Never raises. No timeout here: grade untrusted text with `Grader`.
+    """
+    try:
+        answer = last_boxed(response)
+        if answer is None:
+            return -1.0
+        gold = _gold_text(ground_truth)
+        verdict = _fast_verdict(answer, gold)
+        if verdict is None:
+            verdict = _math_equal(answer, gold)
+        return 1.0 if verdict else -1.0
+    except Exception:
+        return -1.0
+
+
+@dataclasses.dataclass
+class GradeResult:
+    outcomes: list[float]  # +1 / -1 per response, in input order
+    num_timeouts: int  # items whose worker was killed at the timeout (or died) -> scored -1
+    num_missing_box: int  # responses without a (closed, non-empty) box -> scored -1
+
+
+def _worker_main(fd: int) -> None:
+    """Grader worker: warm up, say "ready", then answer [(idx, answer, gold), ...] item by item."""
+    conn = Connection(fd)
+    _math_equal("\\frac{1}{2}", "0.5")  # first call builds math-verify's grammar: do it before work
+    try:
+        conn.send("ready")
+        while (chunk := conn.recv()) is not None:
+            for idx, answer, gold in chunk:
+                conn.send((idx, _math_equal(answer, gold)))
+    except (EOFError, OSError):  # the parent is gone (it stopped, or failed): so is this worker,
+        return  # quietly, so that the parent's own error stays the last thing printed
+
+
+class _Worker:
+    """One grader process: a fresh interpreter that runs this file alone (never torch).
+
+    Not multiprocessing's spawn: that re-imports the parent's `__main__` (train.py, hence torch)
+    in every child. Here the child gets one end of a socket pair and nothing else.
+    """
+
+    def __init__(self):
+        parent_end, child_end = Pipe()
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), str(child_end.fileno())],
+                                     pass_fds=[child_end.fileno()], stdin=subprocess.DEVNULL)
+        child_end.close()
+        self.conn = parent_end
+        self.ready = False
+        self.pending: deque = deque()  # items sent and not yet answered, in order
+        self.deadline = math.inf
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        self.conn.close()
+
+
+class Grader:
+    """Batch `rule_reward` with a pool of worker processes and a hard per-item timeout.
+
+    Box extraction and the string fast path run in the calling process; only the items that need
+    math-verify go to workers, in chunks. A worker silent for `timeout_s` on one item is killed and
+    replaced; that item scores -1 and is counted, the rest of its chunk goes to another worker.
+    The pool lives until `close()` (or the end of a `with` block), so each call pays no start-up.
+    """
+
+    def __init__(self, num_workers: int = 2, timeout_s: float = 5.0, max_chunk: int = 32):
+        if num_workers < 1 or timeout_s <= 0 or max_chunk < 1:
+            raise ValueError(f"Grader: need num_workers >= 1, timeout_s > 0, max_chunk >= 1; got "
+                             f"{num_workers}, {timeout_s}, {max_chunk}")
+        self.timeout_s, self.max_chunk = timeout_s, max_chunk
+        self.workers = [_Worker() for _ in range(num_workers)]  # they warm up while the caller works
+
+    def __enter__(self) -> "Grader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for w in self.workers:
+            try:
+                w.conn.send(None)
+            except OSError:
+                pass
+        for w in self.workers:
+            try:  # a worker still starting up (or hung) is not worth waiting for
+                w.proc.wait(timeout=1 if w.ready and not w.pending else 0.01)
+            except subprocess.TimeoutExpired:
+                pass
+            w.kill()
+        self.workers = []
+
+    def grade(self, responses: list[str], answers: list[str]) -> GradeResult:
+        """Outcomes (+1 / -1) of `responses` (response text only) against `answers` (ground truths)."""
+        if len(responses) != len(answers):
+            raise ValueError(f"grade: {len(responses)} responses but {len(answers)} answers")
+        if not self.workers:
+            raise ValueError("grade: this Grader is closed")
+        outcomes = [-1.0] * len(responses)
+        todo: deque = deque()
+        for w in list(self.workers):
+            if w.pending:  # left by an interrupted call: its answers must not land in this one
+                w.pending.clear()
+                self._replace(w, todo, outcomes)
+        missing = 0
+        for i, (response, ground_truth) in enumerate(zip(responses, answers)):
+            answer = last_boxed(str(response))
+            if answer is None:
+                missing += 1
+                continue
+            gold = _gold_text(str(ground_truth))
+            verdict = _fast_verdict(answer, gold)
+            if verdict is None:
+                todo.append((i, answer, gold))
+            else:
+                outcomes[i] = 1.0 if verdict else -1.0
+        # ~4 chunks per worker: few messages, yet the load still balances.
+        chunk = max(1, min(self.max_chunk, math.ceil(len(todo) / (4 * len(self.workers)))))
+        timeouts = 0
+        while todo or any(w.pending for w in self.workers):
+            for w in list(self.workers):
+                if w.ready and not w.pending and todo:
+                    items = [todo.popleft() for _ in range(min(chunk, len(todo)))]
+                    try:
+                        w.conn.send(items)
+                    except OSError:  # died while idle: nothing of this chunk was lost
+                        todo.extendleft(reversed(items))
+                        self._replace(w, todo, outcomes)
+                        continue
+                    w.pending.extend(items)
+                    w.deadline = time.monotonic() + self.timeout_s
+            busy = [w.deadline for w in self.workers if w.pending]
+            wait_s = max(0.0, min(busy) - time.monotonic()) if busy else None
+            for conn in wait([w.conn for w in self.workers], timeout=wait_s):
+                w = next(w for w in self.workers if w.conn is conn)
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError):  # the worker died
+                    timeouts += self._replace(w, todo, outcomes)
+                    continue
+                if msg == "ready":
+                    w.ready = True
+                else:
+                    idx, equal = msg
+                    outcomes[idx] = 1.0 if equal else -1.0
+                    w.pending.popleft()
+                    w.deadline = time.monotonic() + self.timeout_s
+            now = time.monotonic()
+            for w in list(self.workers):
+                if w.pending and now > w.deadline:
+                    timeouts += self._replace(w, todo, outcomes)
+        return GradeResult(outcomes=outcomes, num_timeouts=timeouts, num_missing_box=missing)
+
+    def _replace(self, w: _Worker, todo: deque, outcomes: list[float]) -> int:
+        """Kill `w`, score its current item -1, requeue the rest; returns 1 if an item was lost."""
+        if not w.ready:
+            w.kill()
+            raise RuntimeError("Grader: a worker died while starting (see its stderr above)")
+        w.kill()
+        lost = 0
+        if w.pending:
+            idx, _, _ = w.pending.popleft()
+            outcomes[idx] = -1.0
+            lost = 1
+            todo.extendleft(reversed(w.pending))
+        self.workers[self.workers.index(w)] = _Worker()
+        return lost
+
+
+if __name__ == "__main__":  # a grader worker (`_Worker`): argv[1] is its end of the socket pair
+    _worker_main(int(sys.argv[1]))
