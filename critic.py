@@ -14,7 +14,9 @@ Plain PPO initialises the critic from the ORM, whose prefix values are out of di
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import os
 
 import torch
@@ -23,10 +25,10 @@ from transformers import AutoConfig, AutoModelForTokenClassification
 
 from config import ConfigError
 from data import sample_prompts, stream_seed
-from fsdp_utils import export_hf_checkpoint, world_size
+from fsdp_utils import export_hf_checkpoint, is_main, world_size
 from ppo import value_loss
 from rollout import RolloutBatch
-from rundir import build_once
+from rundir import build_once, check_stage
 from sampling import Sampler
 
 
@@ -41,13 +43,46 @@ def load_value_model(path: str, head_init_std: float | None = None, dtype=torch.
     has_head = any("TokenClassification" in a for a in (config.architectures or []))
     config.num_labels = 1
     config.classifier_dropout = 0.0  # a regression head; dropout would only add noise to V
-    model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=dtype)
+    with _held_load_report() as held:
+        model, loaded = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=dtype,
+                                                                        output_loading_info=True)
+    if not has_head and _only_fresh_head(loaded):  # expected: say so in one line, not a red table
+        if is_main():
+            tqdm.write(f"critic: a fresh value head (score.weight, score.bias) on the backbone of {path}")
+    else:  # anything else missing, unexpected or mismatched is reported as transformers does
+        for record in held:
+            logging.getLogger(record.name).handle(record)
     if not has_head or head_init_std is not None:
         std = 0.02 if head_init_std is None else head_init_std
         with torch.no_grad():
             model.score.weight.normal_(0.0, std)
             model.score.bias.zero_()
     return model
+
+
+def _only_fresh_head(loaded: dict) -> bool:
+    """A causal LM loaded as a value model: only the new head is missing, only the LM head unused."""
+    return (loaded["missing_keys"] <= {"score.weight", "score.bias"} and not loaded["mismatched_keys"]
+            and loaded["unexpected_keys"] <= {"lm_head.weight", "lm_head.bias"} and not loaded["error_msgs"])
+
+
+@contextlib.contextmanager
+def _held_load_report():
+    """Hold back the load report transformers logs during the block ("... LOAD REPORT ...", a
+    warning table); yields the held records. Other warnings pass."""
+    logger, held = logging.getLogger("transformers.modeling_utils"), []
+
+    def hold(record):
+        if "LOAD REPORT" in record.getMessage():
+            held.append(record)
+            return False
+        return True
+
+    logger.addFilter(hold)
+    try:
+        yield held
+    finally:
+        logger.removeFilter(hold)
 
 
 def value_outputs(model, input_ids, attention_mask, position_ids) -> torch.Tensor:
@@ -134,16 +169,25 @@ def orm_path(cfg) -> str:
     return os.path.join(cfg.out_dir, "_shared", "orm" if cfg.model is None else f"orm-{cfg.run_name}")
 
 
-def prepare_orm(cfg, sft_path: str, sampler: Sampler, records: list[dict]) -> str:
-    """The ORM that plain PPO's critic starts from (`--critic-init rm`), trained once on pi_SFT's
-    graded samples (a cached stage, `rundir.build_once`); its path."""
+def check_orm(cfg) -> None:
+    """Before anything is written: a cached ORM was trained with this run's settings (its
+    settings.json says so), and under torchrun, where it cannot be trained, it is there."""
     path = orm_path(cfg)
-    if world_size() > 1 and not os.path.exists(path):
+    if os.path.exists(path):
+        check_stage(path, {k: getattr(cfg, k) for k in ORM_SETTINGS}, remedy="delete it to train a new one")
+    elif world_size() > 1:
         # train_orm is a single-process trainer (whole model, whole batch): under torchrun each rank
         # would train its own ORM on its share of the samples. Train it once, then reuse it.
         raise ConfigError(f"--critic-init rm under torchrun needs a trained outcome reward model at {path} "
-                          f"(a Hugging Face token-classification checkpoint, 1 label): train.py trains one "
-                          f"only in a single process")
+                          f"(a Hugging Face token-classification checkpoint, 1 label, with the settings.json "
+                          f"that a single-process run of this command writes next to the one it trains)")
+
+
+def prepare_orm(cfg, sft_path: str, sampler: Sampler, records: list[dict]) -> str:
+    """The ORM that plain PPO's critic starts from (`--critic-init rm`), trained once on pi_SFT's
+    graded samples (a cached stage, `rundir.build_once`); its path."""
+    check_orm(cfg)
+    path = orm_path(cfg)
 
     def build(staging: str) -> None:
         orm_cfg = dataclasses.replace(cfg, seed=0)

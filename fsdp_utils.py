@@ -214,6 +214,14 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be restored (truncated, or written by another configuration)."""
 
 
+def checkpoint_extra(path: str) -> dict:
+    """The plain extras (step, ...) of a checkpoint that `save_checkpoint` wrote, nothing restored."""
+    try:
+        return torch.load(os.path.join(path, "extra.pt"), weights_only=False)
+    except Exception as err:  # a truncated or foreign file
+        raise CheckpointError(f"cannot read {path}/extra.pt ({type(err).__name__}: {err})") from None
+
+
 def load_checkpoint(path: str, models: dict, optimizers: dict) -> dict:
     """Restore what `save_checkpoint` wrote, in place; returns the extras."""
     state = {}
