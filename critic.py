@@ -26,7 +26,7 @@ from fsdp_utils import (all_reduce, copy_local_rows, export_hf_checkpoint, is_ma
                         reduce_metrics, shard_options, world_size)
 from ppo import value_loss
 from rollout import RolloutBatch
-from rundir import build_once
+from rundir import build_once, check_stage
 from sampling import Sampler
 
 
@@ -46,6 +46,8 @@ def load_value_model(path: str, head_init_std: float | None = None, seed: int = 
     head = ("score.weight", "score.bias")
     model = load_pretrained(AutoModelForTokenClassification, path, config, fresh=() if has_head else head,
                             device=device, **shard_options)
+    if not has_head and is_main():  # expected, and said in one line (transformers' report is held back)
+        tqdm.write(f"critic: a fresh value head (score.weight, score.bias) on the backbone of {path}")
     if not has_head or head_init_std is not None:
         std = 0.02 if head_init_std is None else head_init_std
         weight = torch.empty(model.score.weight.shape).normal_(0.0, std, generator=torch.Generator().manual_seed(seed))
@@ -144,9 +146,18 @@ def orm_path(cfg) -> str:
     return os.path.join(cfg.out_dir, "_shared", "orm" if cfg.model is None else f"orm-{cfg.run_name}")
 
 
+def check_orm(cfg) -> None:
+    """Before anything is written: a cached ORM was trained with this run's settings (its
+    settings.json says so)."""
+    path = orm_path(cfg)
+    if os.path.exists(path):
+        check_stage(path, {k: getattr(cfg, k) for k in ORM_SETTINGS}, remedy="delete it to train a new one")
+
+
 def prepare_orm(cfg, sft_path: str, sampler: Sampler, records: list[dict]) -> str:
     """The ORM that plain PPO's critic starts from (`--critic-init rm`), trained once on pi_SFT's
     graded samples (a cached stage, `rundir.build_once`); its path."""
+    check_orm(cfg)
     path = orm_path(cfg)
 
     def build(staging: str) -> None:

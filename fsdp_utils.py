@@ -17,8 +17,10 @@ checkpoint (`export_hf_checkpoint`).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import logging
 import math
 import os
 import shutil
@@ -194,7 +196,13 @@ def load_pretrained(model_class, path: str, config=None, fresh=(), device=None, 
     initialise, on every rank alike; any other absent tensor is an error.
     """
     if world_size() == 1:
-        model = model_class.from_pretrained(path, config=config, dtype=torch.float32)
+        with _load_report_held_back():  # its table is checked here instead, as the sharded path checks
+            model, loaded = model_class.from_pretrained(path, config=config, dtype=torch.float32,
+                                                        output_loading_info=True)
+        problems = [f"no tensor {name} in the checkpoint" for name in sorted(set(loaded["missing_keys"]) - set(fresh))]
+        problems += [f"{mismatch} has the wrong shape" for mismatch in loaded["mismatched_keys"]]
+        if problems:
+            raise CheckpointError(f"{path}: {'; '.join(problems)} (a {model_class.__name__} needs them)")
         return model if device is None else model.to(device)
     from tqdm import tqdm
     from transformers import AutoConfig, GenerationConfig
@@ -227,6 +235,18 @@ def load_pretrained(model_class, path: str, config=None, fresh=(), device=None, 
         model.generation_config = GenerationConfig.from_pretrained(path)
     return model
 
+
+@contextlib.contextmanager
+def _load_report_held_back():
+    """transformers logs a warning table ("... LOAD REPORT ...") for every tensor missing from a
+    checkpoint, a fresh value head included; during the block it is dropped."""
+    logger = logging.getLogger("transformers.modeling_utils")
+    drop = lambda record: "LOAD REPORT" not in record.getMessage()
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
 
 def shard_options(cfg) -> dict:
     """`shard_model`'s settings from a run's config."""
@@ -333,6 +353,14 @@ def latest_checkpoint(path: str) -> str | None:
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be restored (truncated, or written by another configuration), or a
     Hugging Face checkpoint that cannot be loaded into the model's shards."""
+
+
+def checkpoint_extra(path: str) -> dict:
+    """The plain extras (step, ...) of a checkpoint that `save_checkpoint` wrote, nothing restored."""
+    try:
+        return torch.load(os.path.join(path, "extra.pt"), weights_only=False)
+    except Exception as err:  # a truncated or foreign file
+        raise CheckpointError(f"cannot read {path}/extra.pt ({type(err).__name__}: {err})") from None
 
 
 def load_checkpoint(path: str, models: dict, optimizers: dict) -> dict:

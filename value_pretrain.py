@@ -26,7 +26,7 @@ from fsdp_utils import (export_hf_checkpoint, is_main, latest_checkpoint, load_c
                         remove_checkpoint, save_checkpoint)
 from gae import compute_gae
 from ppo import assert_finite, check_masked_inputs, explained_variance, micro_batched_forward, update_model
-from rundir import build_once
+from rundir import build_once, json_safe
 from sampling import Sampler
 
 # What the pretrained critic depends on beyond the run directory's own config.json.
@@ -96,7 +96,7 @@ def pretrain_value(cfg, critic, critic_optimizer, sampler: Sampler, records: lis
     export_hf_checkpoint(critic, None, os.path.join(out_dir, "critic"))  # collective under torchrun
     if is_main():
         with open(os.path.join(out_dir, "curve.jsonl"), "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in history)
+            f.writelines(json.dumps(json_safe(r), allow_nan=False) + "\n" for r in history)  # NaN -> null
     remove_checkpoint(ckpt)  # the exported critic supersedes it
     return history
 

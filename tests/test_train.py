@@ -1,5 +1,6 @@
 """End to end: the whole pipeline on a micro config, resume after SIGKILL, config validation."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -206,13 +207,13 @@ def test_batch_must_split_evenly_over_ranks_and_mini_batches(monkeypatch):
 def test_a_run_directory_or_cache_made_with_other_settings_is_not_reused(tmp_path):
     """Rerunning or resuming a run name, or reusing the cached pi_SFT or ORM, with settings that
     change the experiment stops at start; the length of the run may change."""
-    from sft import prepare_sft
+    from sft import SFTConfig, prepare_sft, sft_settings
 
     cfg = micro_config(tmp_path, "--run-name", "r")
     assert rundir.prepare(cfg) == str(tmp_path / "r")
     longer = micro_config(tmp_path, "--run-name", "r", "--steps", "99", "--micro-batch-size", "1", "--resume")
     assert rundir.prepare(longer) == str(tmp_path / "r")
-    with pytest.raises(config.ConfigError, match=r"r was made with other settings \(lam_critic 1.0 -> 0.95\)"):
+    with pytest.raises(config.ConfigError, match=r"r was made with other settings \(--lam-critic 1.0 -> 0.95\)"):
         rundir.prepare(micro_config(tmp_path, "--run-name", "r", "--lam-critic", "0.95"))
 
     orm = tmp_path / "_shared" / "orm"
@@ -220,15 +221,15 @@ def test_a_run_directory_or_cache_made_with_other_settings_is_not_reused(tmp_pat
     (orm / "settings.json").write_text(json.dumps({k: getattr(cfg, k) for k in critic.ORM_SETTINGS}))
     rm = micro_config(tmp_path, "--critic-init", "rm")
     assert critic.prepare_orm(rm, "sft", None, []) == str(orm)  # same settings: reused
-    with pytest.raises(config.ConfigError, match="orm was made with other settings .*orm_steps 3 -> 7"):
+    with pytest.raises(config.ConfigError, match="orm was made with other settings .*--orm-steps 3 -> 7"):
         critic.prepare_orm(micro_config(tmp_path, "--critic-init", "rm", "--orm-steps", "7"), "sft", None, [])
 
     sft = tmp_path / "_shared" / "sft"
     sft.mkdir()
     (sft / "config.json").write_text("{}")
-    (sft / "settings.json").write_text(json.dumps({"sft_steps": 8}))
+    (sft / "settings.json").write_text(json.dumps(sft_settings(SFTConfig(steps=8))))
     assert prepare_sft(cfg) == str(sft)
-    with pytest.raises(config.ConfigError, match="sft was made with other settings .*sft_steps 8 -> 9"):
+    with pytest.raises(config.ConfigError, match=r"sft was made with other settings \(--sft-steps 8 -> 9\)"):
         prepare_sft(micro_config(tmp_path, "--sft-steps", "9"))
 
 
@@ -292,7 +293,10 @@ def test_run_killed_mid_way_resumes_to_the_same_final_metrics(out_dir, sft):
     for ra, rb in zip(a, b):
         for key, value in ra.items():
             if not key.startswith(("time/", "perf/")):
-                assert rb[key] == pytest.approx(value, rel=1e-5, abs=1e-6, nan_ok=True), (ra["step"], key)
+                if value is None:  # undefined (NaN), written as null
+                    assert rb[key] is None, (ra["step"], key)
+                else:
+                    assert rb[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (ra["step"], key)
 
 
 def test_resumed_metrics_log_replaces_the_steps_logged_after_the_checkpoint(tmp_path):
@@ -380,7 +384,8 @@ def test_two_torchrun_agents_as_two_nodes_give_the_metrics_of_one_node(one_node_
         assert a.keys() == b.keys()
         for key, value in a.items():
             if not key.startswith(("time/", "perf/")):
-                assert b[key] == pytest.approx(value, rel=1e-6, abs=1e-7, nan_ok=True), (a["step"], key)
+                expected = value if value is None else pytest.approx(value, rel=1e-6, abs=1e-7)  # None: NaN
+                assert b[key] == expected, (a["step"], key)
     one, two = (json.loads((one_node_and_two_nodes[k] / "summary.json").read_text())["ppo"]
                 for k in ("one_node", "two_nodes"))
     assert one.keys() == two.keys() and "pass@1" in one
@@ -400,3 +405,49 @@ def test_grpo_run_loads_no_critic_and_logs_no_critic_metrics(out_dir, sft):
     assert not (out_dir / "grpo" / "value_pretrain").exists()
     saved = FileSystemReader(str(out_dir / "grpo" / "checkpoint")).read_metadata().state_dict_metadata
     assert {key.split(".")[0] for key in saved} == {"actor"}
+
+
+FLOAT_FLAGS = [f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(config.Config)
+               if isinstance(getattr(config.Config(), f.name), float) or "float" in str(f.type)]
+
+
+@pytest.mark.parametrize("flag", FLOAT_FLAGS)
+def test_nan_and_inf_are_refused_for_every_float_flag(flag):
+    """`--grader-timeout-s inf` crashed at the first answer needing math-verify (OverflowError),
+    `--truncation-reward nan` many steps later in GAE, naming neither stage nor step."""
+    for value in ("nan", "inf", "-inf"):
+        with pytest.raises(config.ConfigError, match=rf"{flag} = -?(nan|inf) \(must be finite"):
+            config.parse_config([flag, value])
+
+
+def test_a_bad_value_is_reported_with_its_valid_range_and_every_bad_flag_is_named():
+    with pytest.raises(config.ConfigError, match=r"^invalid config: --lam-actor = 1.5 \(must be in \[0, 1\]\); "
+                                         r"--top-p = 0.0 \(must be in \(0, 1\]\)$"):
+        config.parse_config(["--lam-actor", "1.5", "--top-p", "0"])
+
+
+def test_a_settings_refusal_names_every_changed_setting_as_a_flag():
+    wanted = {f"field_{i}": i for i in range(7)}
+    with pytest.raises(config.ConfigError) as refusal:
+        config.check_settings("here", {**wanted, "field_3": -3, "field_5": -5, "field_6": -6}, {**wanted, "new_one": 1})
+    assert str(refusal.value) == ("here was made with other settings (--field-3 -3 -> 3, --field-5 -5 -> 5, "
+                                  "--field-6 -6 -> 6, --new-one (not recorded) -> 1); delete it")
+
+
+def test_metrics_files_write_an_undefined_value_as_null_not_bare_nan(tmp_path):
+    log = rundir.MetricsLog(str(tmp_path), keep_up_to_step=-1)
+    log.write(0, {"critic/vf_explained_var": float("nan"), "x": 1.0})
+    rundir.write_json(str(tmp_path / "s.json"), {"ev": [float("inf"), 2.0]})
+    bare = lambda name: pytest.fail(f"bare {name}")  # noqa: E731
+    assert json.loads((tmp_path / "metrics.jsonl").read_text(), parse_constant=bare) == {
+        "step": 0, "critic/vf_explained_var": None, "x": 1.0}
+    assert json.loads((tmp_path / "s.json").read_text(), parse_constant=bare) == {"ev": [None, 2.0]}
+
+
+def test_a_run_directory_is_checked_before_anything_is_written_to_it(tmp_path):
+    """rundir.check reads only; it refuses outputs without the config.json they were made with."""
+    cfg = micro_config(tmp_path, "--run-name", "r")
+    assert rundir.check(cfg) == str(tmp_path / "r") and not (tmp_path / "r").exists()
+    (tmp_path / "r" / "value_pretrain").mkdir(parents=True)
+    with pytest.raises(config.ConfigError, match="r holds value_pretrain but no config.json"):
+        rundir.check(cfg)
