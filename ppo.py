@@ -289,7 +289,7 @@ def update_model(cfg, model, optimizer, batch, rows, loss_fn, seed, prefix):
     generator = torch.Generator().manual_seed(seed)
     totals, grad_norms = {}, []
     for _ in range(cfg.ppo_epochs):
-        order = torch.randperm(len(batch), generator=generator)
+        order = torch.randperm(len(batch), generator=generator).to(batch.device)  # CPU draws: same on any device
         for minibatch in order.chunk(cfg.num_minibatches):
             mask = batch.response_mask[minibatch]
             local = torch.stack([mask.sum(), mask.new_tensor(len(minibatch))]).double()
@@ -322,6 +322,6 @@ def micro_batched_forward(per_token_fn, batch, micro_batch_size):
     micro_batch_size rows, not by the rollout batch. Returns [B, T], 0 past each micro-batch's
     width (on padding)."""
     out = batch.response_mask.new_zeros(batch.response_mask.shape)
-    for rows, micro in batch.micro_batches(torch.arange(len(batch)), micro_batch_size):
+    for rows, micro in batch.micro_batches(torch.arange(len(batch), device=batch.device), micro_batch_size):
         out[rows, : micro.response_ids.shape[1]] = per_token_fn(micro)
     return out

@@ -355,13 +355,13 @@ def score_rollout(batch, texts: list[str], prompts: list[dict], grader: Grader, 
     import torch
 
     graded = grader.grade(texts, [p["answer"] for p in prompts])
-    device = batch.response_mask.device
+    device = batch.device
     scores = torch.tensor(graded.rewards, dtype=torch.float32, device=device)
     if cfg.truncation_reward is not None:
         truncated = torch.tensor([f == "length" for f in batch.finish_reasons], device=device)
         scores = torch.where(truncated, float(cfg.truncation_reward), scores)
     token_rewards = torch.zeros_like(batch.response_mask)
-    token_rewards[torch.arange(len(batch)), batch.lengths - 1] = scores
+    token_rewards[torch.arange(len(batch), device=device), batch.lengths - 1] = scores
     counts = {"timeouts": graded.num_timeouts, "missing_box": graded.num_missing_box}
     return scores, token_rewards, counts
 
@@ -409,7 +409,7 @@ def prepare_orm(cfg, sft_path: str, engine, tokenizer, records: list[dict], grad
         scores, _, _ = score_rollout(batch, decode_responses(tokenizer, batch), prompts, grader, cfg)
         batches.append(batch)
         labels.append(scores)
-    model = load_value_model(sft_path)
+    model = load_value_model(sft_path).to(batches[0].device)  # where the engine put the samples
     history = train_orm(model, batches, labels, steps=cfg.orm_steps, lr=cfg.orm_lr)
     # The settings go in before the directory takes its final name: a kill never leaves a cache
     # without them, which would be taken as it is.

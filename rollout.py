@@ -4,7 +4,10 @@ A rollout returns everything the PPO step needs about the sampled tokens, in the
 DESIGN.md ("Tensor conventions"): prompts left-padded to P, responses right-padded to T, and the
 model output at sequence position P - 1 + t belongs to response token t.
 
-Backends share one interface, `generate(prompt_ids, max_new_tokens, temperature, top_p, seed)`:
+Backends share one interface, `generate(prompt_ids, max_new_tokens, temperature, top_p, seed)`,
+and return the batch on the device of the models that consume it (the trained actor's: `HFRollout`
+samples with it, `VLLMRollout` runs on this rank's GPU beside it); from there on every stage builds
+its tensors on `batch.device`:
 - `HFRollout`: Hugging Face `generate`; the CPU default and the reference in tests.
 - `VLLMRollout`: vLLM colocated with training on the same ranks (torchrun), weights synced from
   the (FSDP-sharded) actor after each update, sleeping while the trainer needs the GPU memory.
@@ -41,6 +44,10 @@ class RolloutBatch:
     finish_reasons: list[str]  # "stop" (ended with EOS) or "length" (hit max_new_tokens)
 
     @property
+    def device(self) -> torch.device:
+        return self.response_mask.device
+
+    @property
     def lengths(self) -> torch.Tensor:
         return self.response_mask.sum(-1).long()
 
@@ -71,7 +78,9 @@ class RolloutBatch:
 
     def micro_batches(self, rows: torch.Tensor, size: int):
         """Yield (row numbers, trimmed sub-batch) for `rows` split into micro-batches of `size`,
-        sorted by response length, so that each is padded only to its own longest response."""
+        sorted by response length, so that each is padded only to its own longest response. The row
+        numbers come back on the batch's device (an index drawn on the CPU is moved)."""
+        rows = torch.as_tensor(rows).to(self.device)
         by_length = rows[self.lengths[rows].argsort(stable=True)]
         for micro_rows in by_length.split(size):
             yield micro_rows, self.select(micro_rows).trim()
@@ -132,8 +141,9 @@ class HFRollout:
         top_p: float = 1.0,
         seed: int | None = None,
     ) -> RolloutBatch:
-        """Sample one response per prompt; temperature 0 means greedy."""
-        ids, mask = left_pad(prompt_ids, self.pad_id)
+        """Sample one response per prompt; temperature 0 means greedy. The batch is on the model's device."""
+        device = next(self.model.parameters()).device
+        ids, mask = (x.to(device) for x in left_pad(prompt_ids, self.pad_id))
         greedy = temperature == 0
         was_training = self.model.training
         self.model.eval()

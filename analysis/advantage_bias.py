@@ -36,6 +36,7 @@ import rundir
 from config import parse_config
 from critic import load_value_model, response_values
 from data import prepare_data, sample_prompts, stream_seed
+from fsdp_utils import local_device
 from gae import compute_gae
 from ppo import masked_mean, masked_sum
 from reward import Grader, prepare_orm, score_rollout
@@ -115,7 +116,7 @@ def build_missing(args: Args, cfg, paths: dict, engine, tokenizer, records, grad
     if args.critic is None and not os.path.exists(paths["pretrained"]) and cfg.value_pretrain_steps > 0:
         rundir.prepare(cfg, is_main=True)  # the run directory records the settings of what goes in it
         torch.manual_seed(cfg.seed)  # the fresh head, as in train.main
-        critic = load_value_model(prepare_orm(cfg, paths["sft"], engine, tokenizer, records, grader))
+        critic = load_value_model(prepare_orm(cfg, paths["sft"], engine, tokenizer, records, grader)).to(local_device())
         optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr, weight_decay=0.0)
         pretrain_value(cfg, critic, optimizer, engine, tokenizer, records, grader,
                        os.path.dirname(paths["pretrained"]))
@@ -144,7 +145,7 @@ def position_sums(rollouts, critic, lambdas, gamma, width: int, bin_size: int) -
             "adv_sq": {lam: 0.0 for lam in lambdas}, "first_bin": {lam: [] for lam in lambdas}}
 
     def add(key, x, mask, lam=None):
-        s = masked_sum(x.double(), mask.double(), dim=0).numpy()  # over responses: [T]
+        s = masked_sum(x.double(), mask.double(), dim=0).cpu().numpy()  # over responses: [T]
         target = sums[key] if lam is None else sums[key][lam]
         target[: len(s)] += s
 
@@ -196,7 +197,7 @@ def measure(args: Args, rollouts, paths: dict, gamma: float) -> BiasResult:
             tqdm.write(f"advantage_bias: {LABELS[name]} critic skipped: {skipped[name]}")
             continue
         torch.manual_seed(args.seed)  # the fresh head of the SFT critic
-        critic = load_value_model(path).eval()  # pi_SFT gets a new N(0, 0.02) head; critics keep theirs
+        critic = load_value_model(path).to(local_device()).eval()  # pi_SFT gets a new N(0, 0.02) head; critics keep theirs
         with torch.no_grad():
             s = position_sums(rollouts, critic, args.lambdas, gamma, width, args.bin_size)
         del critic
@@ -323,7 +324,8 @@ def main(args: Args, train_argv: list[str] = ()) -> BiasResult:
     start = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(paths["sft"])
     records, _ = prepare_data(cfg, tokenizer)
-    engine = HFRollout(AutoModelForCausalLM.from_pretrained(paths["sft"], dtype=torch.float32), tokenizer)
+    # On this process's GPU when there is one; the rollouts, and so every tensor derived from them, follow it.
+    engine = HFRollout(AutoModelForCausalLM.from_pretrained(paths["sft"], dtype=torch.float32).to(local_device()), tokenizer)
     with Grader(num_workers=cfg.grader_workers, timeout_s=cfg.grader_timeout_s) as grader:
         if args.build:
             build_missing(args, cfg, paths, engine, tokenizer, records, grader)
