@@ -1,8 +1,11 @@
 """Distributed plumbing: process groups, FSDP2 sharding, distributed checkpoints, full weights.
 
-One process is the ordinary case: without torchrun's environment nothing is initialised, every
-collective below is the identity, and checkpoints are written by the same
-torch.distributed.checkpoint (DCP) code that writes sharded ones under torchrun.
+One process is the ordinary case. On the CPU, without torchrun's environment, nothing is
+initialised, every collective below is the identity, and checkpoints are written by the same
+torch.distributed.checkpoint (DCP) code that writes sharded ones under torchrun. On a GPU one
+process joins a process group of one rank, as `torchrun --nproc_per_node 1` would start it, so
+that a single GPU trains through FSDP2 with the same bf16 mixed precision and activation
+checkpointing as many.
 
 Full (unsharded) weights leave the trainer in two ways, both streamed one bounded bucket at a
 time so no rank ever holds the whole model (TRL #7131): into the vLLM engine after each update
@@ -16,6 +19,7 @@ import copy
 import json
 import os
 import shutil
+import socket
 import sys
 import warnings
 from dataclasses import dataclass
@@ -51,11 +55,13 @@ _gloo_threads = False
 
 
 def init_distributed() -> DistInfo:
-    """Join torchrun's process group (nccl on GPU, gloo on CPU), or run as the single process."""
+    """Join torchrun's process group (nccl on GPU, gloo on CPU). Without torchrun: on a GPU, a
+    group of this one process (`launch_as_one_rank`); on the CPU, the single process, no group."""
     global _gloo_threads
+    if "RANK" not in os.environ and torch.cuda.is_available():
+        launch_as_one_rank()
     if "RANK" not in os.environ:
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return DistInfo(rank=0, world_size=1, local_rank=0, device=device)
+        return DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
@@ -66,6 +72,27 @@ def init_distributed() -> DistInfo:
         dist.init_process_group(backend=backend)
     _gloo_threads = dist.get_backend() == "gloo"
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+def launch_as_one_rank() -> None:
+    """Give this process the environment `torchrun --nproc_per_node 1` gives its rank (rank 0 of
+    1, a free local port for the rendezvous): init_distributed then takes the torchrun path."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def check_gpu_options(mixed_precision: bool, cpu_offload: bool) -> None:
+    """FSDP2's bf16 mixed precision and CPU offload are GPU options: on a machine without one,
+    raise ValueError naming the flag rather than train in fp32 as if it had been honoured."""
+    if torch.cuda.is_available():
+        return
+    for flag, on in (("--mixed-precision", mixed_precision), ("--cpu-offload", cpu_offload)):
+        if on:
+            raise ValueError(f"{flag} needs a GPU (an FSDP2 option on CUDA); this machine has none: "
+                             f"drop the flag (the CPU trains in fp32 with the parameters in memory)")
 
 
 def close_distributed() -> None:
@@ -133,12 +160,13 @@ def shard_model(
     the decoder layers are the classes the model lists in `_no_split_modules`.
     Gradients are SUMMED over ranks, not averaged: a loss normalised by the global token count
     (`all_reduce` of the local counts) then gives exactly the single-process gradient.
-    mixed_precision (bf16 compute, fp32 sharded parameters and reduction) and cpu_offload apply
-    on GPU only. Under torchrun pass the model on CPU: FSDP2 moves each layer to the GPU as it
+    mixed_precision (bf16 compute, fp32 sharded parameters and reduction) and cpu_offload are GPU
+    options: without a GPU they raise ValueError (check_gpu_options). Under torchrun pass the model on CPU: FSDP2 moves each layer to the GPU as it
     shards it, so a large model never sits whole on one GPU (offloaded shards go back to CPU).
-    Without a process group the model comes back unsharded, where it was (only the
-    activation-checkpointing flag is set): world size 1 needs no wrapper.
+    Without a process group (one process on the CPU) the model comes back unsharded, where it
+    was, with activation checkpointing set if asked.
     """
+    check_gpu_options(mixed_precision, cpu_offload)
     if activation_checkpointing:
         # Hugging Face's per-layer checkpointing keeps parameter names as they are; torch's
         # checkpoint_wrapper would prefix them, and vLLM and exports need Hugging Face names.
@@ -151,13 +179,10 @@ def shard_model(
         raise ValueError(f"shard_model: no decoder layers found in {type(model).__name__}")
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     options: dict = {"mesh": init_device_mesh(device_type, (dist.get_world_size(),))}
-    if device_type == "cuda":
-        if mixed_precision:
-            options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if cpu_offload:
-            options["offload_policy"] = CPUOffloadPolicy()
-    elif mixed_precision or cpu_offload:
-        warnings.warn("shard_model: mixed_precision and cpu_offload apply on GPU only; ignored on CPU")
+    if mixed_precision:
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if cpu_offload:
+        options["offload_policy"] = CPUOffloadPolicy()
     for layer in layers:
         fully_shard(layer, **options)
     # The root too reshards after forward (FSDP2 keeps its parameters gathered by default): after

@@ -159,10 +159,11 @@ def ppo_step(cfg, step, models, optimizers, engine, tokenizer, records, grader, 
 
 
 def shard(cfg, model, dist_info):
-    """FSDP2 under torchrun (which places each shard on this rank's device itself); one process
-    keeps the model whole and only moves it to the device."""
-    if dist_info.world_size == 1:
-        return model.to(dist_info.device)
+    """FSDP2 wherever there is a process group: under torchrun, and in one process on a GPU (a group
+    of one rank), so one GPU trains in bf16 like many; FSDP2 places each shard on this rank's
+    device itself. One process on the CPU keeps the model whole, moved to the device."""
+    if not torch.distributed.is_initialized():
+        model = model.to(dist_info.device)
     return fsdp_utils.shard_model(model, cfg.mixed_precision, cfg.activation_checkpointing, cfg.cpu_offload)
 
 
@@ -200,6 +201,10 @@ def main(cfg: Config) -> dict:
     if cfg.plan:
         print_plan(cfg)
         return {}
+    try:  # before any stage runs: a GPU-only flag on a CPU machine stops here
+        fsdp_utils.check_gpu_options(cfg.mixed_precision, cfg.cpu_offload)
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
     dist_info = fsdp_utils.init_distributed()
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)

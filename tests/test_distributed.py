@@ -91,8 +91,27 @@ def test_gloo_workers_leave_at_once_after_close_distributed(tmp_path):
 
 def test_shard_model_without_process_group_returns_the_model_itself():
     _, model = tiny_actor()
-    assert shard_model(model, mixed_precision=True, cpu_offload=True) is model
-    assert all(type(p) is torch.nn.Parameter for p in model.parameters())
+    assert shard_model(model, activation_checkpointing=True) is model
+    assert all(type(p) is torch.nn.Parameter for p in model.parameters()) and model.is_gradient_checkpointing
+
+
+@pytest.mark.parametrize("flag", ["mixed_precision", "cpu_offload"])
+def test_gpu_only_options_stop_with_a_message_on_a_cpu(flag):
+    """Not silently ignored: bf16 and offload are FSDP2's CUDA options (torch.cuda is off in tests)."""
+    with pytest.raises(ValueError, match=f"--{flag.replace('_', '-')} needs a GPU"):
+        shard_model(tiny_actor()[1], **{flag: True})
+
+
+def test_one_process_on_a_group_of_one_rank_trains_as_the_plain_model(tmp_path):
+    """The path one GPU takes, run here on gloo: FSDP2 over a 1-rank group (with and without
+    activation checkpointing) gives exactly the plain model's PPO update."""
+    r = run_torchrun("one_rank_worker.py", str(tmp_path), nproc=0)[0]
+    assert not r["grouped_before"] and r["world_size"] == 1 and r["backend"] == "gloo"
+    assert r["weight_change"] > 1e-4  # the update moved the weights
+    for checkpointing in (False, True):
+        got = r[f"checkpointing={checkpointing}"]
+        assert got["sharded"]
+        assert got["weight_max_diff"] == 0.0 and got["metric_max_diff"] == 0.0, got  # the same arithmetic
 
 
 def test_iter_full_weights_buckets_are_bounded_and_cover_each_tensor_once():
