@@ -20,8 +20,10 @@ plain reward sum, so error does not grow with T). No Python loop over tokens:
 - CPU: that recursion as a loop compiled by numba, one pass that reads each input once, checks
   it as it goes, and carries both lambdas in float64, its rows spread over the cores (the memory
   bound is the goal here);
-- GPU, or when autograd needs a graph: a chunked scan of matrix products (a few batched matmuls
-  instead of T dependent steps).
+- GPU: the same recursion as one Triton kernel (`gae_triton.py`), which checks its inputs as it
+  reads them: one launch;
+- GPU without Triton, or when autograd needs a graph: a chunked scan of matrix products (a few
+  batched matmuls instead of T dependent steps).
 """
 
 import functools
@@ -48,6 +50,8 @@ def compute_gae(rewards, values, mask, gamma=1.0, lam=0.95):
     lam = _lam(lam, _check_shapes(rewards, values, mask, gamma), "lam")
     if _compiled_loop_applies(rewards, values, mask):
         return _compiled_gae(rewards, values, mask, gamma, lam, lam)
+    if _kernel_applies(rewards, values, mask):
+        return _kernel_gae(rewards, values, mask, gamma, lam, lam)
     mask = _check_contents(rewards, values, mask)
     ret = _lambda_return(rewards * mask, values, mask, gamma, lam)
     return torch.addcmul(ret, values, mask, value=-1), ret
@@ -60,6 +64,8 @@ def decoupled_gae(rewards, values, mask, gamma=1.0, lam_actor=0.95, lam_critic=1
     lam_actor, lam_critic = _lam(lam_actor, batch, "lam_actor"), _lam(lam_critic, batch, "lam_critic")
     if _compiled_loop_applies(rewards, values, mask):
         return _compiled_gae(rewards, values, mask, gamma, lam_actor, lam_critic)
+    if _kernel_applies(rewards, values, mask):
+        return _kernel_gae(rewards, values, mask, gamma, lam_actor, lam_critic)
     mask = _check_contents(rewards, values, mask)
     # One scratch buffer holds the critic's scan input, then the actor's: at long-CoT sizes a
     # fresh [B, T] buffer cost about as much as the arithmetic on the CPU. Each input
@@ -174,11 +180,11 @@ def _lam(lam, batch, name):
 # --- CPU: the recursion, compiled, rows in parallel (bench/gae_bench.py: near the copy bound) --
 
 
-def _compiled_loop_applies(rewards, values, mask):
-    """CPU tensors of one float32/float64 dtype that autograd does not need to track."""
+def _compiled_loop_applies(rewards, values, mask, device_type="cpu"):
+    """Tensors on `device_type` of one float32/float64 dtype that autograd does not need to track."""
     dtype = values.dtype
     return (
-        all(x.device.type == "cpu" for x in (rewards, values, mask))
+        all(x.device.type == device_type for x in (rewards, values, mask))
         and dtype in (torch.float32, torch.float64)
         and rewards.dtype == dtype
         and mask.dtype in (torch.bool, dtype)
@@ -192,9 +198,14 @@ def _compiled_gae(rewards, values, mask, gamma, lam_actor, lam_critic):
     lams = [np.full(mask.shape[0], lam) if isinstance(lam, float) else lam.cpu().numpy() for lam in (lam_actor, lam_critic)]
     inputs = [x.detach().numpy() for x in (rewards, values, mask)]
     if not _lambda_returns_loop(*inputs, float(gamma), *lams, advantages.numpy(), returns.numpy()):
-        check_masked_inputs(mask, right_padded=True, rewards=rewards, values=values)  # names the culprit
-        raise ValueError("rewards/values hold NaN or inf, or mask is not ones-then-zeros in every row")
+        _reject(rewards, values, mask)
     return advantages, returns
+
+
+def _reject(rewards, values, mask):
+    """After a fast path flagged a bad input: the full check names the culprit."""
+    check_masked_inputs(mask, right_padded=True, rewards=rewards, values=values)
+    raise ValueError("rewards/values hold NaN or inf, or mask is not ones-then-zeros in every row")
 
 
 def _compile(fn, parallel=False):
@@ -248,7 +259,32 @@ def _lambda_returns_loop(rewards, values, mask, gamma, lam_actor, lam_critic, ad
     return ok.all()
 
 
-# --- GPU and autograd: the recursion as a chunked scan ------------------------------------------
+# --- GPU: the same recursion as one Triton kernel (gae_triton.py), where Triton is installed ------
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_kernel():
+    """The gae_triton module, or None without Triton (CPU builds of torch do not bring it)."""
+    try:
+        import gae_triton
+    except ImportError:
+        return None
+    return gae_triton
+
+
+def _kernel_applies(rewards, values, mask):
+    return _compiled_loop_applies(rewards, values, mask, "cuda") and _triton_kernel() is not None
+
+
+def _kernel_gae(rewards, values, mask, gamma, lam_actor, lam_critic):
+    lams = [lam if isinstance(lam, float) else lam.to(values.device) for lam in (lam_actor, lam_critic)]
+    result = _triton_kernel().lambda_returns(rewards.detach(), values.detach(), mask, gamma, *lams)
+    if result is None:
+        _reject(rewards, values, mask)
+    return result
+
+
+# --- GPU without Triton, and autograd: the recursion as a chunked scan ------------------------------
 
 
 def _lambda_return(x, values, mask, gamma, lam):
