@@ -153,6 +153,8 @@ def shard_model(
     mixed_precision: bool = False,
     activation_checkpointing: bool = False,
     cpu_offload: bool = False,
+    checkpoint_fraction: float = 1.0,
+    compile_layers: bool = False,
 ) -> torch.nn.Module:
     """FSDP2: `fully_shard` each decoder layer, then the root (embeddings, final norm, head).
 
@@ -163,20 +165,29 @@ def shard_model(
     mixed_precision (bf16 compute, fp32 sharded parameters and reduction) and cpu_offload are GPU
     options: without a GPU they raise ValueError (check_gpu_options). Under torchrun pass the model on CPU: FSDP2 moves each layer to the GPU as it
     shards it, so a large model never sits whole on one GPU (offloaded shards go back to CPU).
+    checkpoint_fraction < 1 recomputes only that share of the layers (spread evenly): less
+    recompute for more memory. compile_layers: torch.compile each decoder layer, in place (the
+    parameter names stay), before it is sharded.
     Without a process group (one process on the CPU) the model comes back unsharded, where it
-    was, with activation checkpointing set if asked.
+    was, with activation checkpointing and compilation set if asked.
     """
     check_gpu_options(mixed_precision, cpu_offload)
+    if not 0 < checkpoint_fraction <= 1:
+        raise ValueError(f"checkpoint_fraction must be in (0, 1], got {checkpoint_fraction}")
+    layers = _decoder_layers(model) if dist.is_initialized() or compile_layers or checkpoint_fraction < 1 else []
     if activation_checkpointing:
         # Hugging Face's per-layer checkpointing keeps parameter names as they are; torch's
         # checkpoint_wrapper would prefix them, and vLLM and exports need Hugging Face names.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        count = max(1, round(checkpoint_fraction * len(layers)))
+        recomputed = {j * len(layers) // count for j in range(count)}  # evenly spread
+        for i, layer in enumerate(layers):
+            layer.gradient_checkpointing = i in recomputed
+    if compile_layers:
+        for layer in layers:
+            layer.compile()
     if not dist.is_initialized():
         return model
-    layer_classes = set(getattr(model, "_no_split_modules", None) or ())
-    layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
-    if not layers:
-        raise ValueError(f"shard_model: no decoder layers found in {type(model).__name__}")
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     options: dict = {"mesh": init_device_mesh(device_type, (dist.get_world_size(),))}
     if mixed_precision:
@@ -195,6 +206,15 @@ def shard_model(
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
     return model
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers: the classes the model lists in `_no_split_modules`."""
+    layer_classes = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
+    if not layers:
+        raise ValueError(f"shard_model: no decoder layers found in {type(model).__name__}")
+    return layers
 
 
 def save_checkpoint(path: str, models: dict, optimizers: dict, extra: dict) -> None:

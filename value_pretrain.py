@@ -68,7 +68,8 @@ def pretrain_value(cfg, critic, critic_optimizer, engine, tokenizer, records, gr
         )
         texts = decode_responses(tokenizer, batch)
         scores, token_rewards, _ = score_rollout(batch, texts, prompts, grader, cfg)
-        values = micro_batched_forward(functools.partial(response_values, critic), batch, cfg.micro_batch_size)
+        values = micro_batched_forward(functools.partial(response_values, critic), batch, cfg.micro_batch_size,
+                                       cfg.micro_batch_tokens)
         assert_finite([("values", values)], f"value pretraining step {step}")
         # Critic targets with lambda = 1: the Monte-Carlo return, no lambda^(T-t) decay (§3.3).
         _, returns = compute_gae(token_rewards, values, batch.response_mask, cfg.gamma, lam=1.0)

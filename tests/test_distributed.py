@@ -201,3 +201,15 @@ def test_memory_plan_32b_actor_and_critic_fit_16_h200_but_not_8():
     assert not plan(QWEN25_32B, world_size=16, micro_batch_tokens=4 * 9216).fits  # logits dominate
     with pytest.raises(ValueError, match="multiple of tensor_parallel_size"):
         plan(QWEN25_32B, world_size=6, tensor_parallel_size=4)
+
+
+def test_selective_checkpointing_and_compiled_layers_keep_the_parameter_names():
+    _, model = tiny_actor()
+    names = [n for n, _ in model.named_parameters()]
+    shard_model(model, activation_checkpointing=True, checkpoint_fraction=0.5, compile_layers=True)
+    layers = model.model.layers
+    assert [layer.gradient_checkpointing for layer in layers] == [True, False]  # one layer of two
+    assert all(layer._compiled_call_impl is not None for layer in layers)
+    assert [n for n, _ in model.named_parameters()] == names
+    with pytest.raises(ValueError, match="checkpoint_fraction"):
+        shard_model(model, activation_checkpointing=True, checkpoint_fraction=0.0)
