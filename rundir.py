@@ -23,9 +23,11 @@ from config import Config, check_settings
 from evaluate import evaluate
 
 # What may differ between a run directory's config.json and a rerun or --resume of it: the run's
-# length, and how it runs (memory savers too, to resume a run that ran out of memory).
+# length, and how it runs (memory savers and throughput levers too, to resume a run that ran out of
+# memory or time).
 MAY_CHANGE = ("resume", "threads", "steps", "save_every", "grader_workers", "grader_timeout_s",
-              "micro_batch_size", "activation_checkpointing", "cpu_offload", "gpu_memory_utilization")
+              "micro_batch_size", "activation_checkpointing", "cpu_offload", "gpu_memory_utilization",
+              "checkpoint_fraction", "micro_batch_tokens", "logprob_chunk_tokens", "compile_layers")
 
 
 def check(cfg: Config) -> str:
