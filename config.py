@@ -170,7 +170,7 @@ class Config:
     """compute the actor's log-probs and entropy from its final hidden states, this many tokens at
     a time (recomputed in the backward pass), never holding the float32 [tokens, vocab] logits"""
     compile_layers: bool = False
-    """torch.compile each decoder layer of actor and critic (GPU)"""
+    """torch.compile each decoder layer of actor and critic (meant for GPUs; a CPU needs a C++ compiler)"""
 
     def validate(self, world_size: int = 1) -> None:
         """Fail at start, naming the field. Under torchrun every rank must get the same number of
