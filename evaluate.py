@@ -1,12 +1,14 @@
 """Held-out evaluation: pass@1 and pass@k (paper §4: AIME pass@1 averaged over samples, pass@32).
 
 Each held-out prompt is sampled `eval_samples` times at the rollout temperature; pass@k uses the
-unbiased estimator of `reward.pass_at_k`. Records that carry a `difficulty` (the built-in task) get
-accuracy and length per difficulty as well.
+unbiased estimator `pass_at_k`. Records that carry a `difficulty` (the built-in task) get accuracy
+and length per difficulty as well.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from collections import defaultdict
 
 import torch.distributed as dist
@@ -14,38 +16,56 @@ from tqdm import tqdm
 
 from data import stream_seed
 from fsdp_utils import rank, world_size
-from reward import pass_at_k, score_rollout
-from rollout import decode_responses
+from rundir import write_json
+from sampling import Sampler
+
+SHOWN_SAMPLES = 8  # the summary keeps the texts of the first samples, all from the first records
 
 
-def evaluate(cfg, engine, tokenizer, records, grader, tag: str) -> dict:
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k).
+
+    Product form 1 - prod_{i=n-c+1}^{n} (1 - k / i): no huge binomials.
+    """
+    if not (0 <= c <= n and 1 <= k <= n):
+        raise ValueError(f"pass_at_k: need 0 <= c <= n and 1 <= k <= n; got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0  # every k-subset holds a correct sample
+    fail = 1.0
+    for i in range(n - c + 1, n + 1):
+        fail *= 1.0 - k / i
+    return 1.0 - fail
+
+
+def evaluate(sampler: Sampler, records: list[dict], tag: str) -> dict:
     """Sample, grade and summarise; `tag` only labels the progress bar. Under torchrun each rank
     samples its share of the prompts and the results are gathered: the same summary on every rank."""
+    cfg = sampler.cfg
     n = cfg.eval_samples
     mine, counts = share_of_records(len(records), rank(), world_size())
     todo = [(i, c) for i, c in zip(mine, counts) for _ in range(n)]  # each prompt n times, side by side
     chunk = max(n, (cfg.prompts_per_step * cfg.samples_per_prompt) // n * n)
-    rows = []  # (record index, correct, length, truncated, text) of every sample that counts
+    samples = []  # (record index, correct, length, truncated, text) of every sample that counts
     for start in tqdm(range(0, len(todo), chunk), desc=f"eval {tag}", dynamic_ncols=True, leave=False):
         part = todo[start : start + chunk]
-        prompts = [records[i] for i, _ in part]
-        batch = engine.generate(
-            [r["prompt_ids"] for r in prompts], cfg.max_new_tokens, cfg.temperature, cfg.top_p,
-            seed=stream_seed(cfg.seed, "eval/sampling", start),
-        )
-        texts = decode_responses(tokenizer, batch)
-        scores, _, _ = score_rollout(batch, texts, prompts, grader, cfg)
+        scored = sampler.sample_and_score([records[i] for i, _ in part], stream_seed(cfg.seed, "eval/sampling", start))
+        batch = scored.batch
         for j, (i, count) in enumerate(part):
-            if count:  # the summary shows the first 8 samples, all from records 0-7: no other text travels
-                rows.append((i, scores[j].item() > 0, batch.lengths[j].item(), batch.finish_reasons[j] == "length",
-                             texts[j] if i < 8 else ""))
+            if count:  # only the shown samples' texts travel between ranks
+                samples.append((i, scored.outcomes[j].item() > 0, batch.lengths[j].item(),
+                                batch.finish_reasons[j] == "length", scored.texts[j] if i < SHOWN_SAMPLES else ""))
     if dist.is_initialized():
         gathered = [None] * world_size()
-        dist.all_gather_object(gathered, rows)
-        rows = sorted((row for part in gathered for row in part), key=lambda row: row[0])  # stable
-    flat = [records[row[0]] for row in rows]
-    correct, lengths, truncated, texts = ([row[j] for row in rows] for j in range(1, 5))
+        dist.all_gather_object(gathered, samples)
+        samples = sorted((s for part in gathered for s in part), key=lambda s: s[0])  # stable
+    return summarize(records, samples, n)
 
+
+def summarize(records: list[dict], samples: list[tuple], n: int) -> dict:
+    """pass@1, pass@n, mean length, truncated share (and per difficulty) of (record index, correct,
+    length, truncated, text) samples, n consecutive ones per record."""
+    flat = [records[s[0]] for s in samples]
+    correct, lengths, truncated, texts = ([s[j] for s in samples] for j in range(1, 5))
     per_prompt = [sum(correct[i : i + n]) for i in range(0, len(correct), n)]
     result = {
         "pass@1": sum(per_prompt) / (n * len(per_prompt)),
@@ -64,8 +84,20 @@ def evaluate(cfg, engine, tokenizer, records, grader, tag: str) -> dict:
         }
     result["samples"] = [
         {"prompt": r["prompt"], "answer": r["answer"], "response": t, "correct": ok}
-        for r, t, ok in zip(flat[:8], texts[:8], correct[:8])
+        for r, t, ok in zip(flat[:SHOWN_SAMPLES], texts[:SHOWN_SAMPLES], correct[:SHOWN_SAMPLES])
     ]
+    return result
+
+
+def evaluate_once(sampler: Sampler, records: list[dict], tag: str, path: str) -> dict:
+    """`evaluate`, computed once and kept at `path` (pi_SFT's scores: a resumed 32B run would
+    otherwise sample the whole held-out set again); deterministic, like every draw here."""
+    if os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    result = json.loads(json.dumps(evaluate(sampler, records, tag)))  # as it will be read back
+    if rank() == 0:
+        write_json(path, result)
     return result
 
 

@@ -45,10 +45,6 @@ class DistInfo:
     local_rank: int
     device: torch.device
 
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
 
 # Set by init_distributed when the process group is gloo's, whose threads outlive it (exit_now_if_gloo).
 _gloo_threads = False
@@ -163,8 +159,9 @@ def shard_model(
     Gradients are SUMMED over ranks, not averaged: a loss normalised by the global token count
     (`all_reduce` of the local counts) then gives exactly the single-process gradient.
     mixed_precision (bf16 compute, fp32 sharded parameters and reduction) and cpu_offload are GPU
-    options: without a GPU they raise ValueError (check_gpu_options). Under torchrun pass the model on CPU: FSDP2 moves each layer to the GPU as it
-    shards it, so a large model never sits whole on one GPU (offloaded shards go back to CPU).
+    options: without a GPU they raise ValueError (check_gpu_options). Under torchrun pass the
+    model on CPU: FSDP2 moves each layer to the GPU as it shards it, so a large model never sits
+    whole on one GPU (offloaded shards go back to CPU).
     checkpoint_fraction < 1 recomputes only that share of the layers (spread evenly): less
     recompute for more memory. compile_layers: torch.compile each decoder layer, in place (the
     parameter names stay), before it is sharded.
@@ -228,11 +225,11 @@ def save_checkpoint(path: str, models: dict, optimizers: dict, extra: dict) -> N
         model_sd, optim_sd = get_state_dict(model, optimizers[name])
         state[name] = {"model": model_sd, "optim": optim_sd}
     tmp = path + ".tmp"
-    if rank() == 0:  # a complete tmp left by a killed save must not mix with this one's files
+    if is_main():  # a complete tmp left by a killed save must not mix with this one's files
         shutil.rmtree(tmp, ignore_errors=True)
     barrier()
     dcp.save(state, checkpoint_id=tmp)
-    if rank() == 0:
+    if is_main():
         torch.save(extra, os.path.join(tmp, "extra.pt"))
         if os.path.exists(path):
             shutil.rmtree(path + ".old", ignore_errors=True)  # half deleted by a kill: path is newer
@@ -244,7 +241,7 @@ def save_checkpoint(path: str, models: dict, optimizers: dict, extra: dict) -> N
 
 def remove_checkpoint(path: str) -> None:
     """Delete what `save_checkpoint(path, ...)` left, a killed save's leftovers included (rank 0)."""
-    if rank() == 0:
+    if is_main():
         for leftover in (path, path + ".tmp", path + ".old"):
             shutil.rmtree(leftover, ignore_errors=True)
 
@@ -328,8 +325,8 @@ def export_hf_checkpoint(
         if len(plan) == 1
         else [f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))]
     )
-    tmp, is_main = path + ".tmp", rank() == 0
-    if is_main:
+    tmp = path + ".tmp"
+    if is_main():
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
         config = copy.deepcopy(model.config)
@@ -343,13 +340,13 @@ def export_hf_checkpoint(
             tokenizer.save_pretrained(tmp)
     weight_map, total = {}, 0
     for file, bucket in zip(files, iter_full_weights(model, shard_bytes, dtype)):
-        if is_main:
+        if is_main():
             tensors = {name: t.cpu().contiguous() for name, t in bucket}
             save_file(tensors, os.path.join(tmp, file), metadata={"format": "pt"})
             weight_map.update({name: file for name in tensors})
             total += sum(t.numel() * t.element_size() for t in tensors.values())
         del bucket
-    if is_main:
+    if is_main():
         if len(files) > 1:
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
@@ -382,6 +379,11 @@ def _bucket_plan(model, state: dict, bucket_bytes: int, dtype) -> list[list[str]
 def rank() -> int:
     """This process's rank under torchrun; 0 in one process."""
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def is_main() -> bool:
+    """Rank 0 (the one process without torchrun): the rank that writes shared files and prints."""
+    return rank() == 0
 
 
 def world_size() -> int:

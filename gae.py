@@ -1,115 +1,46 @@
 """Generalised advantage estimation and decoupled GAE (paper §3.3, Eq. 5-8).
 
+Tensors are [B, T], right-padded; mask = 1 on every generated token (README "Tensor layout").
+rewards[b, t] holds the outcome on the last token t = L_b - 1 (plus any per-token term), values[b, t]
+is V(s_t), and the state after the last token is terminal:
+
 Eq. (5)  delta_t = r_t + gamma V(s_{t+1}) - V(s_t)           V(s_L) = 0 after the last token
 Eq. (6)  A_t     = sum_{l=0}^{L-t-1} (gamma lam)^l delta_{t+l}
 Eq. (7)  R_t     = A_t + V(s_t)                               (critic target)
 Eq. (8)  A_t     = (1-lam) sum_{h=1}^{L-t-1} lam^(h-1) G_{t:t+h} + lam^(L-t-1) G_{t:L} - V(s_t)
+         with the n-step return G_{t:t+h} = sum_{l<h} gamma^l r_{t+l} + gamma^h V(s_{t+h}).
+
 Decoupled GAE (VC-PPO): the same rewards and values give the actor's advantages with
 lam_actor < 1 and the critic's targets with lam_critic = 1, whose targets then carry the
-undecayed outcome reward.
+undecayed outcome reward (at lam < 1 it reaches token t only as lam^(L-1-t) r).
 
-Also here: VAPO's length-adaptive lambda and GRPO's group-normalised outcome advantage (the
-paper's main baseline). Tensor conventions are DESIGN.md's: [B, T], right-padded, mask = 1 on
-every generated token, outputs exactly 0 on padding.
+Eq. (8) is an identity: it holds for any V, which `eq8_advantages` shows numerically. The paper
+reads it as "a critic trained with another lambda adds no bias"; the -V(s_t) term indeed adds
+none, but the n-step returns G still contain V(s_{t+h}), so with lam_actor < 1 the policy
+gradient is unbiased only when V is the policy's true value, and with lam_actor = 1 for any V
+(analysis/eq8_check.py measures all three facts).
 
-`gae_reference` and `eq8_advantages` are plain loops that read like the equations. The fast
-paths compute R_t of Eq. (7) as the recursive lambda-return (Eq. 6 summed by parts)
-    R_t = r_t + gamma (1 - lam) V(s_{t+1}) + gamma lam R_{t+1},     A_t = R_t - V(s_t),
-which is the same number without the deltas' telescoping cancellation (at lam = 1 it is the
-plain reward sum, so error does not grow with T). No Python loop over tokens:
-- CPU: that recursion as a loop compiled by numba, one pass that reads each input once, checks
-  it as it goes, and carries both lambdas in float64, its rows spread over the cores (the memory
-  bound is the goal here);
-- GPU: the same recursion as one Triton kernel (`gae_triton.py`), which checks its inputs as it
-  reads them: one launch;
-- GPU without Triton, or when autograd needs a graph: a chunked scan of matrix products (a few
-  batched matmuls instead of T dependent steps).
+Read this file top down: `gae_reference` is the definition, the recursion of Eq. (5)-(7) as a
+loop over tokens. `compute_gae` and `decoupled_gae` compute the same numbers on the fast paths of
+`gae_fast.py` (a compiled CPU loop; on GPUs a Triton kernel, `gae_triton.py`, or a chunked scan
+without Triton and for autograd), which tests/test_gae.py checks against `gae_reference` and
+Eq. (8). Also here: VAPO's length-adaptive lambda and GRPO's group-normalised outcome advantage
+(the paper's main baseline).
 """
 
-import functools
-
-import numba
-import numpy as np
 import torch
-import torch.nn.functional as F
 
+import gae_fast
 from ppo import check_masked_inputs
 
-# Tokens per chunk of the scan: the work is B*T*CHUNK multiply-adds (dense triangular matrices)
-# over log_CHUNK(T) levels of recursion. 16 was the fastest on the 2-core development CPU at
-# T = 8k-32k (bench/gae_bench.py --chunk); untuned on GPUs, which may prefer a larger one.
-CHUNK = 16
 
-
-# --- public API --------------------------------------------------------------------------------
-
-
-def compute_gae(rewards, values, mask, gamma=1.0, lam=0.95):
-    """GAE, Eq. (5)-(7). lam is a float or a float tensor [B] (one lambda per response).
-    Returns (advantages, returns), both [B, T] and 0 on padding."""
-    lam = _lam(lam, _check_shapes(rewards, values, mask, gamma), "lam")
-    if _compiled_loop_applies(rewards, values, mask):
-        return _compiled_gae(rewards, values, mask, gamma, lam, lam)
-    if _kernel_applies(rewards, values, mask):
-        return _kernel_gae(rewards, values, mask, gamma, lam, lam)
-    mask = _check_contents(rewards, values, mask)
-    ret = _lambda_return(rewards * mask, values, mask, gamma, lam)
-    return torch.addcmul(ret, values, mask, value=-1), ret
-
-
-def decoupled_gae(rewards, values, mask, gamma=1.0, lam_actor=0.95, lam_critic=1.0):
-    """Decoupled GAE (§3.3): advantages A(lam_actor), critic targets R = A(lam_critic) + V.
-    lam_actor/lam_critic: float or float tensor [B]. Returns (advantages, returns), 0 on padding."""
-    batch = _check_shapes(rewards, values, mask, gamma)
-    lam_actor, lam_critic = _lam(lam_actor, batch, "lam_actor"), _lam(lam_critic, batch, "lam_critic")
-    if _compiled_loop_applies(rewards, values, mask):
-        return _compiled_gae(rewards, values, mask, gamma, lam_actor, lam_critic)
-    if _kernel_applies(rewards, values, mask):
-        return _kernel_gae(rewards, values, mask, gamma, lam_actor, lam_critic)
-    mask = _check_contents(rewards, values, mask)
-    # One scratch buffer holds the critic's scan input, then the actor's: at long-CoT sizes a
-    # fresh [B, T] buffer cost about as much as the arithmetic on the CPU. Each input
-    # is rebuilt from r * mask, so neither result depends, even in rounding, on the other lambda.
-    scratch = rewards * mask
-    ret = _lambda_return(scratch, values, mask, gamma, lam_critic)
-    adv = _lambda_return(torch.mul(rewards, mask, out=scratch), values, mask, gamma, lam_actor)
-    return adv.addcmul_(values, mask, value=-1), ret  # A = R(lam_actor) - V(s_t), in place
-
-
-def length_adaptive_lambda(lengths, alpha=0.05):
-    """VAPO's per-response lambda = 1 - 1/(alpha l), clamped to [0, 1] (short responses get 0)."""
-    lengths = torch.as_tensor(lengths)
-    if lengths.dim() != 1 or (lengths.numel() and lengths.min() < 0):
-        raise ValueError(f"lengths must be a 1-D tensor of non-negative lengths, got {lengths}")
-    if not alpha > 0:
-        raise ValueError(f"alpha must be > 0, got {alpha}")
-    return (1 - 1 / (alpha * lengths.float())).clamp(0.0, 1.0)
-
-
-def grpo_advantages(scores, mask, group_size, eps=1e-6):
-    """GRPO outcome advantage: (r - mean_group) / (std_group + eps), broadcast on valid tokens.
-    Consecutive rows in groups of group_size share a prompt; std is Bessel-corrected."""
-    if not isinstance(scores, torch.Tensor) or scores.dim() != 1:
-        raise ValueError(f"scores must be a 1-D tensor [B], got {getattr(scores, 'shape', scores)}")
-    check_masked_inputs(mask, right_padded=True)
-    if not torch.isfinite(scores).all():
-        raise ValueError("scores contains NaN or inf")
-    if group_size < 2 or scores.shape[0] % group_size or mask.shape[0] != scores.shape[0]:
-        raise ValueError(
-            f"need group_size >= 2 dividing B; got group_size={group_size}, "
-            f"scores {tuple(scores.shape)}, mask {tuple(mask.shape)}"
-        )
-    groups = scores.float().view(-1, group_size)
-    adv = (groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + eps)
-    return adv.view(-1, 1) * mask.float()
-
-
-# --- readable references (tests and readers) ---------------------------------------------------
+# --- the definition ------------------------------------------------------------------------------
 
 
 def gae_reference(rewards, values, mask, gamma=1.0, lam=0.95):
-    """Eq. (5)-(7) as the textbook right-to-left loop over tokens (slow; for tests and readers).
-    Computes in the input dtype; lam may be a float or a tensor [B]."""
+    """GAE by its definition, Eq. (5)-(7): the right-to-left recursion A_t = delta_t + gamma lam A_{t+1}
+    over tokens (slow: what the fast paths are checked against). Computes in the input dtype; lam
+    may be a float or a tensor [B]. Returns (advantages, returns), 0 on padding."""
     check_masked_inputs(mask, right_padded=True, rewards=rewards, values=values)
     mask = mask.to(values.dtype)
     lam = torch.as_tensor(lam, dtype=values.dtype, device=values.device)
@@ -147,7 +78,72 @@ def nstep_return(rewards, values, t, h, gamma=1.0):
     return sum(gamma**l * rewards[t + l] for l in range(h)) + gamma**h * bootstrap
 
 
-# --- input checks shared by both fast paths ---------------------------------------------------
+
+
+# --- the public API: the same numbers, on the fast paths (gae_fast.py) ---------------------------
+
+
+def compute_gae(rewards, values, mask, gamma=1.0, lam=0.95):
+    """GAE, Eq. (5)-(7). lam is a float or a float tensor [B] (one lambda per response).
+    Returns (advantages, returns), both [B, T] and 0 on padding."""
+    lam = _lam(lam, _check_shapes(rewards, values, mask, gamma), "lam")
+    if gae_fast.compiled_loop_applies(rewards, values, mask):
+        return gae_fast.compiled_gae(rewards, values, mask, gamma, lam, lam)
+    if gae_fast.kernel_applies(rewards, values, mask):
+        return gae_fast.kernel_gae(rewards, values, mask, gamma, lam, lam)
+    mask = _check_contents(rewards, values, mask)
+    ret = gae_fast.lambda_return(rewards * mask, values, mask, gamma, lam)
+    return torch.addcmul(ret, values, mask, value=-1), ret
+
+
+def decoupled_gae(rewards, values, mask, gamma=1.0, lam_actor=0.95, lam_critic=1.0):
+    """Decoupled GAE (§3.3): advantages A(lam_actor), critic targets R = A(lam_critic) + V.
+    lam_actor/lam_critic: float or float tensor [B]. Returns (advantages, returns), 0 on padding."""
+    batch = _check_shapes(rewards, values, mask, gamma)
+    lam_actor, lam_critic = _lam(lam_actor, batch, "lam_actor"), _lam(lam_critic, batch, "lam_critic")
+    if gae_fast.compiled_loop_applies(rewards, values, mask):
+        return gae_fast.compiled_gae(rewards, values, mask, gamma, lam_actor, lam_critic)
+    if gae_fast.kernel_applies(rewards, values, mask):
+        return gae_fast.kernel_gae(rewards, values, mask, gamma, lam_actor, lam_critic)
+    mask = _check_contents(rewards, values, mask)
+    # One scratch buffer holds the critic's scan input, then the actor's: at long-CoT sizes a
+    # fresh [B, T] buffer cost about as much as the arithmetic on the CPU. Each input
+    # is rebuilt from r * mask, so neither result depends, even in rounding, on the other lambda.
+    scratch = rewards * mask
+    ret = gae_fast.lambda_return(scratch, values, mask, gamma, lam_critic)
+    adv = gae_fast.lambda_return(torch.mul(rewards, mask, out=scratch), values, mask, gamma, lam_actor)
+    return adv.addcmul_(values, mask, value=-1), ret  # A = R(lam_actor) - V(s_t), in place
+
+
+def length_adaptive_lambda(lengths, alpha=0.05):
+    """VAPO's per-response lambda = 1 - 1/(alpha l), clamped to [0, 1] (short responses get 0)."""
+    lengths = torch.as_tensor(lengths)
+    if lengths.dim() != 1 or (lengths.numel() and lengths.min() < 0):
+        raise ValueError(f"lengths must be a 1-D tensor of non-negative lengths, got {lengths}")
+    if not alpha > 0:
+        raise ValueError(f"alpha must be > 0, got {alpha}")
+    return (1 - 1 / (alpha * lengths.float())).clamp(0.0, 1.0)
+
+
+def grpo_advantages(outcomes, mask, group_size, eps=1e-6):
+    """GRPO outcome advantage: (r - mean_group) / (std_group + eps), broadcast on valid tokens.
+    Consecutive rows in groups of group_size share a prompt; std is Bessel-corrected."""
+    if not isinstance(outcomes, torch.Tensor) or outcomes.dim() != 1:
+        raise ValueError(f"outcomes must be a 1-D tensor [B], got {getattr(outcomes, 'shape', outcomes)}")
+    check_masked_inputs(mask, right_padded=True)
+    if not torch.isfinite(outcomes).all():
+        raise ValueError("outcomes contains NaN or inf")
+    if group_size < 2 or outcomes.shape[0] % group_size or mask.shape[0] != outcomes.shape[0]:
+        raise ValueError(
+            f"need group_size >= 2 dividing B; got group_size={group_size}, "
+            f"outcomes {tuple(outcomes.shape)}, mask {tuple(mask.shape)}"
+        )
+    groups = outcomes.float().view(-1, group_size)
+    adv = (groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + eps)
+    return adv.view(-1, 1) * mask.float()
+
+
+# --- input checks of the public API ----------------------------------------------------------
 
 
 def _check_shapes(rewards, values, mask, gamma):
@@ -175,177 +171,3 @@ def _lam(lam, batch, name):
     if not 0 <= lam <= 1:
         raise ValueError(f"{name} must be in [0, 1], got {lam}")
     return float(lam)
-
-
-# --- CPU: the recursion, compiled, rows in parallel (bench/gae_bench.py: near the copy bound) --
-
-
-def _compiled_loop_applies(rewards, values, mask, device_type="cpu"):
-    """Tensors on `device_type` of one float32/float64 dtype that autograd does not need to track."""
-    dtype = values.dtype
-    return (
-        all(x.device.type == device_type for x in (rewards, values, mask))
-        and dtype in (torch.float32, torch.float64)
-        and rewards.dtype == dtype
-        and mask.dtype in (torch.bool, dtype)
-        and not (torch.is_grad_enabled() and (rewards.requires_grad or values.requires_grad))
-    )
-
-
-def _compiled_gae(rewards, values, mask, gamma, lam_actor, lam_critic):
-    """Run _lambda_returns_loop; on a bad input the full check names the argument."""
-    advantages, returns = (torch.empty(values.shape, dtype=values.dtype) for _ in range(2))  # contiguous
-    lams = [np.full(mask.shape[0], lam) if isinstance(lam, float) else lam.cpu().numpy() for lam in (lam_actor, lam_critic)]
-    inputs = [x.detach().numpy() for x in (rewards, values, mask)]
-    if not _lambda_returns_loop(*inputs, float(gamma), *lams, advantages.numpy(), returns.numpy()):
-        _reject(rewards, values, mask)
-    return advantages, returns
-
-
-def _reject(rewards, values, mask):
-    """After a fast path flagged a bad input: the full check names the culprit."""
-    check_masked_inputs(mask, right_padded=True, rewards=rewards, values=values)
-    raise ValueError("rewards/values hold NaN or inf, or mask is not ones-then-zeros in every row")
-
-
-def _compile(fn, parallel=False):
-    """numba.njit with fused multiply-adds, cached on disk where numba finds a writable place (next
-    to this file, else ~/.cache); with none (a read-only install and home), compiled per process.
-    parallel: prange loops run on numba's threads (as many as cores, NUMBA_NUM_THREADS)."""
-    options = {"nogil": True, "fastmath": {"contract"}, "parallel": parallel}
-    try:
-        return numba.njit(cache=True, **options)(fn)
-    except RuntimeError:  # "cannot cache function ...: no locator available"
-        return numba.njit(**options)(fn)
-
-
-@_compile
-def _lambda_returns_row(r_row, v_row, m_row, gamma, lam_actor, lam_critic, adv_row, ret_row):
-    """Right to left over one response: R_t for lam_actor and lam_critic in float64 (Eq. 6-7 by
-    parts), A_t = R_t(lam_actor) - V(s_t), both 0 on padding. Returns False, leaving the outputs
-    partly written, on a NaN/inf input or a mask row that is not ones-then-zeros."""
-    decay_actor, decay_critic = gamma * lam_actor, gamma * lam_critic
-    bootstrap_actor, bootstrap_critic = gamma - decay_actor, gamma - decay_critic  # gamma (1 - lam)
-    ret_actor = ret_critic = next_value = 0.0  # V(s_L) = 0 after the last token
-    in_response = False
-    nonfinite = 0.0  # x * 0 is NaN iff x is NaN or inf: a running sum checks without a branch
-    for t in range(r_row.shape[0] - 1, -1, -1):
-        r, v, m = r_row[t], v_row[t], m_row[t]
-        nonfinite += r * 0.0 + v * 0.0
-        if m == 1:  # R_t = r_t + gamma (1 - lam) V(s_{t+1}) + gamma lam R_{t+1}
-            ret_actor = r + bootstrap_actor * next_value + decay_actor * ret_actor
-            ret_critic = r + bootstrap_critic * next_value + decay_critic * ret_critic
-            adv_row[t] = ret_actor - v
-            ret_row[t] = ret_critic
-            next_value = v
-            in_response = True
-        elif m == 0 and not in_response:  # padding: its values reach no output (verl PR #50)
-            adv_row[t] = 0.0
-            ret_row[t] = 0.0
-        else:  # not 0/1, or a 0 inside the response
-            return False
-    return nonfinite == 0.0
-
-
-@functools.partial(_compile, parallel=True)
-def _lambda_returns_loop(rewards, values, mask, gamma, lam_actor, lam_critic, advantages, returns):
-    """_lambda_returns_row for every row, the rows spread over the CPU's cores (each row is one
-    sequential recursion, computed as in a plain loop: threads change no bit of the result).
-    Returns False if any row was rejected."""
-    ok = np.empty(rewards.shape[0], dtype=np.bool_)
-    for b in numba.prange(rewards.shape[0]):
-        ok[b] = _lambda_returns_row(rewards[b], values[b], mask[b], gamma, lam_actor[b], lam_critic[b],
-                                    advantages[b], returns[b])
-    return ok.all()
-
-
-# --- GPU: the same recursion as one Triton kernel (gae_triton.py), where Triton is installed ------
-
-
-@functools.lru_cache(maxsize=1)
-def _triton_kernel():
-    """The gae_triton module, or None without Triton (CPU builds of torch do not bring it)."""
-    try:
-        import gae_triton
-    except ImportError:
-        return None
-    return gae_triton
-
-
-def _kernel_applies(rewards, values, mask):
-    return _compiled_loop_applies(rewards, values, mask, "cuda") and _triton_kernel() is not None
-
-
-def _kernel_gae(rewards, values, mask, gamma, lam_actor, lam_critic):
-    lams = [lam if isinstance(lam, float) else lam.to(values.device) for lam in (lam_actor, lam_critic)]
-    result = _triton_kernel().lambda_returns(rewards.detach(), values.detach(), mask, gamma, *lams)
-    if result is None:
-        _reject(rewards, values, mask)
-    return result
-
-
-# --- GPU without Triton, and autograd: the recursion as a chunked scan ------------------------------
-
-
-def _lambda_return(x, values, mask, gamma, lam):
-    """R_t = x_t + gamma lam R_{t+1}, where x holds r * mask on entry and gets, in place,
-    x_t += gamma (1 - lam) V(s_{t+1}) wherever token t+1 is valid: V(s_{t+1}) is never read on
-    padding, so padding values never leak in (verl PR #50). lam: float or [B] tensor."""
-    bootstrap = gamma * (1 - lam)
-    if isinstance(bootstrap, torch.Tensor):
-        x[:, :-1].addcmul_(values[:, 1:] * bootstrap.to(x).unsqueeze(1), mask[:, 1:])
-    elif bootstrap != 0:
-        x[:, :-1].addcmul_(values[:, 1:], mask[:, 1:], value=bootstrap)
-    return _reverse_discounted_sum(x, gamma * lam)
-
-
-def _scan_matrices(decay, size, like):
-    """powers [size+1] (or [B, size+1]) with powers[k] = decay^k, and the chunk matrix
-    tri[j, i] = decay^(j-i) for j >= i, else 0 ([size, size] or [B, size, size]).
-
-    Powers come from float64 pow (0^0 = 1, no cumprod error growth), rounded once to like's
-    dtype. Powers below the smallest normal float (1.2e-38 in float32) are flushed to 0: a token
-    that far away weighs nothing at float32 precision, and subnormals slow CPU matrix products
-    down by orders of magnitude."""
-    if not isinstance(decay, torch.Tensor):
-        return _cached_scan_matrices(decay, size, like.dtype, like.device)
-    k = torch.arange(size + 1, dtype=torch.float64, device=like.device)
-    powers = torch.pow(decay.to(like.device, torch.float64).unsqueeze(-1), k).to(like.dtype)
-    powers = torch.where(powers < torch.finfo(like.dtype).tiny, torch.zeros_like(powers), powers)
-    j = torch.arange(size, device=like.device)
-    offset = j[:, None] - j[None, :]  # j - i
-    return powers, powers[..., offset.clamp(min=0)] * (offset >= 0)
-
-
-@functools.lru_cache(maxsize=64)
-def _cached_scan_matrices(decay, size, dtype, device):
-    # A scalar decay gives the same small matrices on every call; building them costs more than
-    # using them at the upper levels of the scan. Built as normal tensors even under
-    # inference_mode, so that a later differentiable call can save them for backward.
-    with torch.inference_mode(False):
-        return _scan_matrices(torch.tensor(decay, dtype=torch.float64), size, torch.empty(0, dtype=dtype, device=device))
-
-
-def _reverse_discounted_sum(x, decay):
-    """y_t = sum_{j>=t} decay^(j-t) x_j along dim 1 (Eq. 6 with decay = gamma lam), y = 0 past T.
-
-    Chunked scan: split T into chunks of C; inside a chunk y = x @ M with M[j, i] = decay^(j-i)
-    for j >= i (one batched matrix product for all chunks). Each chunk then needs the full y at
-    the first token of the next chunk, y_next, added as decay^(C-i) y_next. Those chunk heads obey
-    the same recursion one level up (a_k = local_k + decay^C a_{k+1}), so they come from this
-    function on [B, T/C] with decay^C: depth log_C(T), no loop over tokens or chunks."""
-    batch, length = x.shape
-    if length == 0:
-        return x.clone()
-    n_chunks = -(-length // CHUNK)
-    size = CHUNK if n_chunks > 1 else length  # one short chunk when T <= CHUNK
-    powers, tri = _scan_matrices(decay, size, x)
-    pad = n_chunks * size - length
-    chunks = (F.pad(x, (0, pad)) if pad else x).view(batch, n_chunks, size)
-    local = chunks @ tri  # [B, n_chunks, size]: sums within each chunk
-    if n_chunks > 1:
-        heads = _reverse_discounted_sum(local[:, :, 0], decay**size)  # full y at each chunk start
-        carry = F.pad(heads[:, 1:], (0, 1))  # y at the start of the next chunk; 0 after the last
-        tail = powers[..., 1:].flip(-1)  # decay^(size - i), i = 0..size-1
-        local.addcmul_(carry.unsqueeze(-1), tail.unsqueeze(-2))
-    return local.view(batch, -1)[:, :length].contiguous() if pad else local.view(batch, length)

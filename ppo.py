@@ -1,8 +1,14 @@
 """PPO losses (paper §2): clipped surrogate, clipped value loss, KL estimators, entropy, metrics.
 
-Every loss is a pure function of tensors plus a response mask (conventions in DESIGN.md:
-[B, T] float32, right-padded, mask = 1 on every generated token). Only `update_model`, at the end,
-touches a model: it runs a loss over mini- and micro-batches (PPO epochs) and steps the optimizer.
+Every loss is a pure function of tensors plus a response mask, in the layout of the README
+("Tensor layout"): [B, T] float32, right-padded, mask = 1 on every generated token. Only
+`update_model`, at the end, touches a model: it runs a loss over mini- and micro-batches (PPO
+epochs) and steps the optimizer.
+
+The losses check types and shapes only. The contents (finite values, a binary right-padded mask)
+are checked once, where a rollout's per-token tensors are assembled (`check_masked_inputs` in
+train.ppo_step and value pretraining): a check per micro-batch loss would cost a device-to-host
+sync each time.
 
 Eq. (1), clipped surrogate with clip-higher (VAPO) and optional dual clip (Ye et al., 2020):
     rho_t = pi(a_t|s_t) / pi_old(a_t|s_t)
@@ -20,6 +26,7 @@ import math
 
 import torch
 import torch.utils.checkpoint
+from torch.distributed.tensor import DTensor
 
 from fsdp_utils import all_reduce, reduce_metrics
 
@@ -76,6 +83,16 @@ def check_masked_inputs(mask, right_padded=False, contents=True, **tensors):
         starts = (m[:, 0] == 1) | (length == 0)
         if not (starts.all() and torch.equal(pairs, (length - 1).clamp_min(0))):
             raise ValueError("mask must be right-padded: ones then zeros in every row")
+
+
+def assert_finite(named_tensors, what: str) -> None:
+    """FloatingPointError naming the first bad tensor when any of (name, tensor) holds NaN or inf:
+    a diverged model's parameters or outputs. Under torchrun every rank raises (a rank sees only its
+    shards, and one rank leaving alone would hang the others)."""
+    local = [(n, t.to_local() if isinstance(t, DTensor) else t) for n, t in named_tensors]
+    bad = [n for n, t in local if not torch.isfinite(t.detach()).all()]
+    if reduce_metrics({"bad": len(bad)}, sums=("bad",))["bad"] > 0:
+        raise FloatingPointError(f"{what}: {bad[0] if bad else 'a tensor on another rank'} holds NaN or inf")
 
 
 def masked_sum(x, mask, dim=None):
@@ -144,7 +161,7 @@ def aggregate_loss(per_token_loss, mask, mode="token-mean", normalizer=None):
 
 def response_logprobs(logits, response_ids, temperature=1.0):
     """log pi(y_t | s_t) for the given ids: logits [B, T, V] aligned with response_ids [B, T]
-    (the model output at sequence position P-1+t, see DESIGN.md). Logits are divided by the rollout
+    (the model output at sequence position P-1+t, README "Tensor layout"). Logits are divided by the rollout
     temperature (OpenRLHF PR #1319). Uses logsumexp + gather: no [B, T, V] softmax is kept."""
     if logits.dim() != 3 or response_ids.shape != logits.shape[:2]:
         raise ValueError(
@@ -217,7 +234,8 @@ def policy_loss(
     """Clipped surrogate, Eq. (1). Returns (loss, metrics) with metrics as detached 0-dim tensors:
     pg_loss, pg_clipfrac_low / pg_clipfrac_high (share of tokens whose gradient the lower / upper
     clip removes), pg_clipfrac_dual, approx_kl (k3 estimate of KL(pi_old || pi))."""
-    check_masked_inputs(mask, log_probs=log_probs, old_log_probs=old_log_probs, advantages=advantages)
+    check_masked_inputs(mask, contents=False, log_probs=log_probs, old_log_probs=old_log_probs,
+                        advantages=advantages)
     if not (0 <= clip_low < 1 and clip_high >= 0):
         raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low}, {clip_high}")
     if dual_clip is not None and not dual_clip > 1:
@@ -270,7 +288,7 @@ def kl_penalty(log_probs, ref_log_probs, kind="k3"):
 def value_loss(values, old_values, returns, mask, clip=0.5, mode="token-mean", normalizer=None):
     """Clipped value loss, Eq. (2); clip=None gives the plain 0.5 (V - R)^2. Returns (loss,
     metrics): vf_loss, vf_clipfrac (share of tokens where the clipped branch is the larger one)."""
-    check_masked_inputs(mask, values=values, old_values=old_values, returns=returns)
+    check_masked_inputs(mask, contents=False, values=values, old_values=old_values, returns=returns)
     if clip is not None and not clip > 0:
         raise ValueError(f"clip must be > 0 (or None), got {clip}")
     mask = mask.to(values.dtype)
@@ -302,15 +320,15 @@ def explained_variance(values, returns, mask):
 # --- one model's PPO epochs ----------------------------------------------------------------------
 
 
-def update_model(cfg, model, optimizer, batch, rows, loss_fn, seed, prefix):
+def update_model(cfg, model, optimizer, batch, per_token, loss_fn, seed, prefix):
     """PPO epochs over one rollout batch for one model (actor or critic).
 
     `cfg.ppo_epochs` passes; each pass is split into `cfg.num_minibatches` optimizer steps; each
     mini-batch is accumulated over micro-batches of `cfg.micro_batch_size` rows whose losses are
     normalised by the mini-batch's global token (or sequence) count, summed over ranks, so neither
     the micro-batch split nor the number of ranks changes the gradient (verl PR #6957).
-    `loss_fn(model, micro_batch, micro_rows, normalizer, cfg) -> (loss, metrics)`; `rows` holds the
-    per-row tensors ([B, T]) the loss needs. Metrics named `*_loss` add up over micro-batches; the
+    `loss_fn(model, micro_batch, micro_per_token, normalizer, cfg) -> (loss, metrics)`; `per_token`
+    maps names to the [B, T] tensors the loss needs (old log-probs, advantages, returns, ...). Metrics named `*_loss` add up over micro-batches; the
     others are token means, each micro-batch weighted by its share of the mini-batch's tokens on
     all ranks; both are then summed over ranks: the whole batch's values, the same on every rank.
     Returns `<prefix>/<name>` means over the optimizer steps.
@@ -325,9 +343,9 @@ def update_model(cfg, model, optimizer, batch, rows, loss_fn, seed, prefix):
             tokens, sequences = all_reduce(local).tolist()
             normalizer = tokens if cfg.loss_agg == "token-mean" else sequences
             optimizer.zero_grad(set_to_none=True)
-            for micro_rows, micro in batch.micro_batches(minibatch, cfg.micro_batch_size, cfg.micro_batch_tokens):
+            for index, micro in batch.micro_batches(minibatch, cfg.micro_batch_size, cfg.micro_batch_tokens):
                 width = micro.response_ids.shape[1]
-                loss, metrics = loss_fn(model, micro, {k: v[micro_rows, :width] for k, v in rows.items()},
+                loss, metrics = loss_fn(model, micro, {k: v[index, :width] for k, v in per_token.items()},
                                         normalizer, cfg)
                 loss.backward()
                 share = micro.response_mask.sum().item() / max(tokens, 1.0)
@@ -352,6 +370,6 @@ def micro_batched_forward(per_token_fn, batch, micro_batch_size, micro_batch_tok
     [B, T], 0 past each micro-batch's width (on padding)."""
     out = batch.response_mask.new_zeros(batch.response_mask.shape)
     every_row = torch.arange(len(batch), device=batch.device)
-    for rows, micro in batch.micro_batches(every_row, micro_batch_size, micro_batch_tokens):
-        out[rows, : micro.response_ids.shape[1]] = per_token_fn(micro)
+    for index, micro in batch.micro_batches(every_row, micro_batch_size, micro_batch_tokens):
+        out[index, : micro.response_ids.shape[1]] = per_token_fn(micro)
     return out

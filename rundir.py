@@ -1,12 +1,20 @@
-"""The run directory, <out_dir>/<run_name>/: what a run of train.py keeps there, and how running
-it again, or resuming it, treats what is there.
+"""What train.py keeps on disk, and how running it again, or resuming it, treats what is there.
+
+The run directory, <out_dir>/<run_name>/:
 
     config.json     the settings. Rerunning or resuming with settings that change the experiment
                     stops (`prepare`): only the run's length and how it runs may change.
-    eval_sft.json   pi_SFT's held-out scores, computed once (`evaluate_sft`).
+    eval_sft.json   pi_SFT's held-out scores, computed once (`evaluate.evaluate_once`).
     metrics.jsonl   one row per PPO step, plus TensorBoard events (`MetricsLog`).
     checkpoint/     actor, critic, optimizers, schedulers and step (`save` / `resume`).
-    value_pretrain/ and summary.json come from value_pretrain.py and train.py.
+    value_pretrain/ the value-pretrained critic and its curve (a cached stage, below).
+    summary.json    pi_SFT's and the final policy's scores (train.py).
+
+Cached stages (`build_once`): pi_SFT (<out_dir>/_shared/sft), the outcome reward model
+(<out_dir>/_shared/orm) and value pretraining (<run_dir>/value_pretrain) are each built once into
+<path>.partial, with the settings they depend on in settings.json, then renamed to <path>: a kill
+never leaves a directory that looks complete, and a later run with other settings stops instead
+of reusing it.
 """
 
 from __future__ import annotations
@@ -19,8 +27,9 @@ import os
 from tqdm import tqdm
 
 import fsdp_utils
-from config import Config, check_settings
-from evaluate import evaluate
+from config import Config, ConfigError, check_settings
+
+STAGE_SETTINGS = "settings.json"  # in a cached stage's directory: what it was built with
 
 # What may differ between a run directory's config.json and a rerun or --resume of it: the run's
 # length, and how it runs (memory savers and throughput levers too, to resume a run that ran out of
@@ -41,13 +50,13 @@ def check(cfg: Config) -> str:
     return run_dir
 
 
-def prepare(cfg: Config, is_main: bool) -> str:
+def prepare(cfg: Config) -> str:
     """The run's directory, checked against what is already there, with config.json written."""
     run_dir = check(cfg)
     saved = os.path.join(run_dir, "config.json")
     os.makedirs(run_dir, exist_ok=True)
     fsdp_utils.barrier()  # every rank has read the old config.json before rank 0 replaces it
-    if is_main:
+    if fsdp_utils.is_main():
         write_json(saved, dataclasses.asdict(cfg))
     return run_dir
 
@@ -59,17 +68,27 @@ def write_json(path: str, obj) -> None:
     os.replace(path + ".tmp", path)
 
 
-def evaluate_sft(cfg, engine, tokenizer, records, grader, run_dir: str, is_main: bool) -> dict:
-    """pi_SFT's held-out scores, computed once per run directory (a resumed 32B run would
-    otherwise sample the whole held-out set again): deterministic, like every draw here."""
-    path = os.path.join(run_dir, "eval_sft.json")
+def build_once(path: str, settings: dict, build, remedy: str = "delete it to build it again") -> bool:
+    """A cached stage at `path`: reused when it exists (after checking its settings.json against
+    `settings`), else `build(staging)` writes it into <path>.partial, which then gets settings.json
+    and its final name. True if built now. `build` runs on every rank (a collective export needs
+    them all; a stage that one rank builds checks the rank itself); rank 0 renames."""
     if os.path.exists(path):
-        with open(path) as f:
-            return json.load(f)
-    scores = json.loads(json.dumps(evaluate(cfg, engine, tokenizer, records, grader, "sft")))  # as read back
-    if is_main:
-        write_json(path, scores)
-    return scores
+        saved = os.path.join(path, STAGE_SETTINGS)
+        if os.path.exists(saved):  # a cache from before the settings were saved is taken as it is
+            with open(saved) as f:
+                check_settings(path, json.load(f), settings, remedy=remedy)
+        return False
+    # A killed build's leftovers stay: value pretraining resumes from its checkpoint there, and
+    # every file a build writes is written whole.
+    staging = path + ".partial"
+    os.makedirs(staging, exist_ok=True)
+    build(staging)
+    if fsdp_utils.is_main():
+        write_json(os.path.join(staging, STAGE_SETTINGS), settings)  # in before the final name
+        os.replace(staging, path)
+    fsdp_utils.barrier()
+    return True
 
 
 def save(cfg, run_dir: str, step: int, models: dict, optimizers: dict, schedulers: list) -> None:
@@ -88,7 +107,7 @@ def resume(cfg, run_dir: str, models: dict, optimizers: dict, schedulers: list) 
         extra = fsdp_utils.load_checkpoint(found, models, optimizers)
         start, saved_world, world = extra["step"] + 1, extra.get("world_size", 1), fsdp_utils.world_size()
         if start > cfg.steps:
-            raise SystemExit(f"error: {found} is at step {extra['step']}, past --steps {cfg.steps}")
+            raise ConfigError(f"{found} is at step {extra['step']}, past --steps {cfg.steps}")
         for scheduler, state in zip(schedulers, extra["schedulers"]):
             scheduler.load_state_dict(state)
         tqdm.write(f"resumed from {found} at step {start}")
@@ -109,20 +128,21 @@ def last_checkpoint(run_dir: str) -> str:
 
 
 class MetricsLog:
-    """metrics.jsonl + TensorBoard; a resumed run first drops the rows after its checkpoint."""
+    """metrics.jsonl + TensorBoard, written by rank 0; a resumed run first drops the rows after its
+    checkpoint."""
 
-    def __init__(self, run_dir: str, keep_up_to_step: int, enabled: bool):
-        self.path, self.enabled = os.path.join(run_dir, "metrics.jsonl"), enabled
-        if not enabled:
+    def __init__(self, run_dir: str, keep_up_to_step: int):
+        self.path, self.enabled = os.path.join(run_dir, "metrics.jsonl"), fsdp_utils.is_main()
+        if not self.enabled:
             return
         from torch.utils.tensorboard import SummaryWriter
 
-        rows = []
+        kept = []
         if os.path.exists(self.path):
             with open(self.path) as f:
-                rows = [line for line in f if _logged_step(line) <= keep_up_to_step]
+                kept = [line for line in f if _logged_step(line) <= keep_up_to_step]
         with open(self.path, "w") as f:
-            f.writelines(rows)
+            f.writelines(kept)
         self.tb = SummaryWriter(run_dir, purge_step=keep_up_to_step + 1)  # drop the replayed steps
 
     def write(self, step: int, metrics: dict) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import shutil
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass
@@ -28,10 +27,10 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import task
-from config import check_settings
-from fsdp_utils import barrier, rank
-from reward import rule_reward
+from fsdp_utils import is_main
 from rollout import HFRollout, decode_responses
+from rundir import build_once
+from verifier import rule_reward
 
 
 @dataclass
@@ -169,33 +168,27 @@ def train_sft(cfg: SFTConfig, model=None, tokenizer=None) -> dict:
 def prepare_sft(cfg) -> str:
     """The pi_SFT of a run (`train.py`'s first stage): `cfg.model` when given, else the built-in
     task's cold start, trained once into <cfg.out_dir>/_shared/sft (`cfg.sft_steps` steps, None:
-    the default) and reused by every later run."""
+    the default) and reused by every later run (a cached stage, `rundir.build_once`)."""
     if cfg.model is not None:
         if not Path(cfg.model, "config.json").is_file():
             raise FileNotFoundError(f"--model {cfg.model}: no Hugging Face checkpoint (config.json) there")
         return cfg.model
     path = Path(cfg.out_dir) / "_shared" / "sft"
     steps = cfg.sft_steps or SFTConfig.steps
-    if (path / "config.json").exists():
-        if (path / "sft_summary.json").exists():  # a cache from before the summary is taken as it is
-            saved = json.loads((path / "sft_summary.json").read_text())
-            check_settings(str(path), {"sft_steps": saved["steps"]}, {"sft_steps": steps},
-                           remedy="delete it to train a new one")
+
+    def build(staging: str) -> None:
+        if is_main():  # under torchrun rank 0 trains it once; the others wait for it
+            summary = train_sft(SFTConfig(out_dir=staging, steps=steps))
+            (Path(staging) / "sft_summary.json").write_text(json.dumps({**summary, "out_dir": str(path)}, indent=2))
+
+    if not build_once(str(path), {"sft_steps": steps}, build, remedy="delete it to train a new one"):
         print(f"SFT: reusing {path}")
-        return str(path)
-    if rank() == 0:  # under torchrun rank 0 trains it once; the others wait for it
-        tmp = path.with_name("sft.partial")  # renamed when complete: a killed run leaves no half cache
-        shutil.rmtree(tmp, ignore_errors=True)
-        summary = train_sft(SFTConfig(out_dir=str(tmp), steps=steps))
-        (tmp / "sft_summary.json").write_text(json.dumps({**summary, "out_dir": str(path)}, indent=2))
-        tmp.rename(path)
-    barrier()
     return str(path)
 
 
 def evaluate_task(model, tokenizer, problems: list[dict], max_new_tokens: int = 400, batch_size: int = 64,
                   temperature: float = 1.0, seed: int = 0) -> dict:
-    """Sample one response per problem and report what pi_SFT does, graded by `reward.rule_reward`."""
+    """Sample one response per problem and report what pi_SFT does, graded by `verifier.rule_reward`."""
     engine = HFRollout(model, tokenizer)
     rows = []
     for i in range(0, len(problems), batch_size):

@@ -1,6 +1,6 @@
 """The built-in Long-CoT task: repeated doubling, worked line by line or guessed by shortcut.
 
-The CPU stand-in for the paper's Long-CoT maths (PAPER.md §1, §7). A problem asks for the last
+The CPU stand-in for the paper's Long-CoT maths (§3.1, §4). A problem asks for the last
 four digits of x * 2^k (x = 1000..9999); k (the difficulty) sets the length of the full chain of
 thought, one doubling per line, 7 tokens per line plus the answer: k = 1 -> ~19 tokens, k = 48 ->
 ~350 tokens, i.e. 17 GAE horizons 1/(1-0.95) = 20, so most decisions sit many horizons away

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import math
 import os
 import sys
@@ -26,19 +25,21 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import fsdp_utils
+import memory_plan
 import rundir
-from config import Config, launch_world_size, parse_config
-from critic import assert_finite, load_value_model, response_values
+from config import Config, ConfigError, launch_world_size, parse_config
+from critic import critic_loss, prepare_orm, response_values
 from data import DataError, prepare_data, sample_prompts, stream_seed
-from evaluate import evaluate
+from evaluate import evaluate, evaluate_once
 from gae import decoupled_gae, grpo_advantages, length_adaptive_lambda
-from ppo import aggregate_loss, entropy_from_logits, explained_variance, kl_penalty, masked_mean
-from ppo import masked_whiten, micro_batched_forward, policy_loss, response_logprobs, token_logprobs_and_entropy
-from ppo import update_model
-from reward import Grader, prepare_orm, score_rollout
-from rollout import HFRollout, VLLMRollout, decode_responses
+from ppo import aggregate_loss, assert_finite, check_masked_inputs, entropy_from_logits, explained_variance
+from ppo import kl_penalty, masked_mean, masked_whiten, micro_batched_forward, policy_loss, response_logprobs
+from ppo import token_logprobs_and_entropy, update_model
+from rollout import HFRollout, VLLMRollout
+from sampling import Sampler, ScoredBatch
 from sft import prepare_sft
-from value_pretrain import critic_loss, pretrain_value
+from value_pretrain import prepare_value_critic
+from verifier import Grader
 
 POSITION_BINS = 4  # advantage mean per quarter of each response, early to late (paper Fig. 2)
 
@@ -78,12 +79,13 @@ def head_gives_token_statistics(actor, response_ids, temperature, chunk_tokens, 
         del head.forward
 
 
-def actor_loss(actor, micro, rows, normalizer, cfg):
+def actor_loss(actor, micro, per_token, normalizer, cfg):
+    """Clipped surrogate (Eq. 1) of one micro-batch, plus the optional entropy bonus and KL term."""
     logprobs, entropy = policy_forward(actor, micro, cfg.temperature, with_entropy=True,
                                        chunk_tokens=cfg.logprob_chunk_tokens)
     mask = micro.response_mask
     loss, metrics = policy_loss(
-        logprobs, rows["old_logprobs"], rows["advantages"], mask,
+        logprobs, per_token["old_logprobs"], per_token["advantages"], mask,
         clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
         mode=cfg.loss_agg, normalizer=normalizer,
     )
@@ -91,10 +93,75 @@ def actor_loss(actor, micro, rows, normalizer, cfg):
     if cfg.entropy_coef:  # aggregated like the policy loss (token- or sequence-mean)
         loss = loss - cfg.entropy_coef * aggregate_loss(entropy, mask, cfg.loss_agg, normalizer)
     if cfg.kl_coef:  # off by default: VC-PPO removes the KL term
-        kl = kl_penalty(logprobs, rows["ref_logprobs"], cfg.kl_estimator)
+        kl = kl_penalty(logprobs, per_token["ref_logprobs"], cfg.kl_estimator)
         loss = loss + cfg.kl_coef * aggregate_loss(kl, mask, cfg.loss_agg, normalizer)
         metrics["kl"] = masked_mean(kl.detach(), mask)
     return loss, metrics
+
+
+def ppo_step(cfg, step: int, sampler: Sampler, records: list[dict], models: dict, optimizers: dict,
+             reference=None) -> dict:
+    """One iteration of Algorithm 1. models: "actor" and, unless GRPO, "critic"; optimizers alike;
+    `reference`: pi_SFT, only with a KL term. Returns the step's metrics (over all ranks)."""
+    actor, critic, timings = models["actor"], models.get("critic"), {}
+
+    # Collect trajectories and compute rewards: +-1 on each response's last token.
+    scored = sampler.sample_and_score(sample_prompts(records, cfg, step, stream="ppo"),
+                                      seed=stream_seed(cfg.seed, "ppo/sampling", step))
+    sampler.engine.sleep()  # colocated vLLM frees its GPU memory for training; woken by sync_weights
+    batch, mask = scored.batch, scored.batch.response_mask
+
+    # log pi_old(y_t | s_t), log pi_ref, V(s_t): recomputed by the models being trained.
+    with timed(timings, "forward"):
+        per_token = old_outputs(cfg, batch, actor, critic, reference)
+    assert_finite(per_token.items(), "forward before the update")
+
+    # Advantages: decoupled GAE (§3.3), or GRPO's group-normalised outcome without a critic.
+    if critic is None:
+        advantages = grpo_advantages(scored.outcomes, mask, cfg.samples_per_prompt)
+    else:
+        lam_actor = cfg.lam_actor
+        if cfg.length_adaptive_alpha is not None:  # VAPO: lambda = 1 - 1/(alpha * l) per response
+            lam_actor = length_adaptive_lambda(batch.lengths, cfg.length_adaptive_alpha)
+        advantages, per_token["returns"] = decoupled_gae(
+            scored.token_rewards, per_token["old_values"], mask, cfg.gamma, lam_actor=lam_actor,
+            lam_critic=cfg.lam_critic,
+        )
+    per_token["advantages"] = masked_whiten(advantages, mask) if cfg.whiten_advantages else advantages
+    check_masked_inputs(mask, right_padded=True, **per_token)  # once here, not in every micro-batch's loss
+
+    # PPO epochs: the actor on the clipped surrogate, the critic on the clipped value loss.
+    with timed(timings, "update"):
+        shuffle = stream_seed(cfg.seed, "ppo/shuffle", step)
+        metrics = update_model(cfg, actor, optimizers["actor"], batch, per_token, actor_loss, seed=shuffle,
+                               prefix="actor")
+        if critic is not None:
+            clipped_critic_loss = functools.partial(critic_loss, clip=cfg.value_clip)
+            metrics |= update_model(cfg, critic, optimizers["critic"], batch, per_token, clipped_critic_loss,
+                                    seed=shuffle, prefix="critic")
+    return metrics | rollout_metrics(scored, per_token, advantages, scored.seconds | timings)
+
+
+def old_outputs(cfg, batch, actor, critic, reference) -> dict:
+    """The per-token tensors of the models before the update, without gradients: old_logprobs,
+    ref_logprobs (with a KL term), old_values (with a critic); [B, T], 0 on padding."""
+    forward = functools.partial(micro_batched_forward, batch=batch, micro_batch_size=cfg.micro_batch_size,
+                                micro_batch_tokens=cfg.micro_batch_tokens)
+    logprobs = lambda model, micro: policy_forward(model, micro, cfg.temperature,  # noqa: E731
+                                                   chunk_tokens=cfg.logprob_chunk_tokens)[0]
+    per_token = {"old_logprobs": forward(functools.partial(logprobs, actor))}
+    if cfg.kl_coef:
+        per_token["ref_logprobs"] = forward(functools.partial(logprobs, reference))
+    if critic is not None:
+        per_token["old_values"] = forward(functools.partial(response_values, critic))
+    return per_token
+
+
+@contextlib.contextmanager
+def timed(timings: dict, name: str):
+    start = time.perf_counter()
+    yield
+    timings[name] = time.perf_counter() - start
 
 
 def advantage_by_position(advantages, mask, bins: int = POSITION_BINS) -> list[float]:
@@ -105,88 +172,40 @@ def advantage_by_position(advantages, mask, bins: int = POSITION_BINS) -> list[f
     return [masked_mean(advantages, mask * (bin_of == b)).item() for b in range(bins)]
 
 
-def ppo_step(cfg, step, models, optimizers, engine, tokenizer, records, grader, ref_actor):
-    """One iteration of Algorithm 1. models: {"actor"} and, unless GRPO, {"critic"}; optimizers alike."""
-    actor, critic = models["actor"], models.get("critic")
-    timings, t0 = {}, time.perf_counter()
-    prompts = sample_prompts(records, cfg, step, stream="ppo")
-    batch = engine.generate(
-        [r["prompt_ids"] for r in prompts], cfg.max_new_tokens, cfg.temperature, cfg.top_p,
-        seed=stream_seed(cfg.seed, "ppo/sampling", step),
-    )
-    engine.sleep()  # colocated vLLM frees its GPU memory for training; woken by sync_weights
-    timings["rollout"] = time.perf_counter() - t0
-
-    t0 = time.perf_counter()
-    texts = decode_responses(tokenizer, batch)
-    scores, token_rewards, reward_stats = score_rollout(batch, texts, prompts, grader, cfg)
-    timings["reward"] = time.perf_counter() - t0
-
-    t0 = time.perf_counter()
-    mask = batch.response_mask
-    forward = functools.partial(micro_batched_forward, batch=batch, micro_batch_size=cfg.micro_batch_size,
-                                micro_batch_tokens=cfg.micro_batch_tokens)
-    logprobs = lambda model, micro: policy_forward(model, micro, cfg.temperature,  # noqa: E731
-                                                   chunk_tokens=cfg.logprob_chunk_tokens)[0]
-    rows = {"old_logprobs": forward(functools.partial(logprobs, actor))}
-    if cfg.kl_coef:
-        rows["ref_logprobs"] = forward(functools.partial(logprobs, ref_actor))
-    if critic is not None:
-        rows["old_values"] = values = forward(functools.partial(response_values, critic))
-    timings["forward"] = time.perf_counter() - t0
-    assert_finite(rows.items(), "forward before the update")
-
-    if critic is None:  # GRPO: the group-normalised outcome, no critic
-        advantages = grpo_advantages(scores, mask, cfg.samples_per_prompt)
-    else:  # Decoupled GAE (§3.3): advantages with lambda_actor, critic targets with lambda_critic.
-        lam_actor = cfg.lam_actor
-        if cfg.length_adaptive_alpha is not None:  # VAPO: lambda = 1 - 1/(alpha * l) per response
-            lam_actor = length_adaptive_lambda(batch.lengths, cfg.length_adaptive_alpha)
-        advantages, rows["returns"] = decoupled_gae(
-            token_rewards, values, mask, cfg.gamma, lam_actor=lam_actor, lam_critic=cfg.lam_critic
-        )
-    position_adv = advantage_by_position(advantages, mask)  # both before whitening, which centres them
-    mean_adv = masked_mean(advantages, mask).item()
-    if cfg.whiten_advantages:
-        advantages = masked_whiten(advantages, mask)
-    rows["advantages"] = advantages
-
-    t0 = time.perf_counter()
-    shuffle = stream_seed(cfg.seed, "ppo/shuffle", step)
-    metrics = update_model(cfg, actor, optimizers["actor"], batch, rows, actor_loss, seed=shuffle,
-                           prefix="actor")
-    if critic is not None:
-        clipped_critic_loss = functools.partial(critic_loss, clip=cfg.value_clip)
-        metrics |= update_model(cfg, critic, optimizers["critic"], batch, rows, clipped_critic_loss,
-                                seed=shuffle, prefix="critic")
-    timings["update"] = time.perf_counter() - t0
-
+def rollout_metrics(scored: ScoredBatch, per_token: dict, advantages, timings: dict) -> dict:
+    """Lengths, outcomes, advantages (before whitening, which centres them), the critic's values
+    before the update, and timings; reduced over ranks (update_model's metrics already are)."""
+    batch, mask = scored.batch, scored.batch.response_mask
     lengths = batch.lengths.float()
-    step_metrics = {  # this rank's share; reduced over ranks below (update_model's already are)
+    metrics = {
         "response_length/mean": lengths.mean().item(),
         "response_length/max": lengths.max().item(),
         "response_length/truncated_frac": sum(f == "length" for f in batch.finish_reasons) / len(batch),
-        "reward/mean": scores.mean().item(),
-        "reward/accuracy": (scores > 0).float().mean().item(),
-        "reward/grader_timeouts": reward_stats["timeouts"],
-        "reward/missing_box": reward_stats["missing_box"],
-        "advantage/mean": mean_adv,
+        "reward/mean": scored.outcomes.mean().item(),
+        "reward/accuracy": (scored.outcomes > 0).float().mean().item(),
+        "reward/grader_timeouts": scored.grader_timeouts,
+        "reward/missing_box": scored.missing_box,
+        "advantage/mean": masked_mean(advantages, mask).item(),
     }
-    if critic is not None:  # the values the advantages were computed from, before the update
-        step_metrics |= {"critic/values_mean": masked_mean(values, mask).item(),
-                         "critic/vf_explained_var": explained_variance(values, rows["returns"], mask).item()}
-    step_metrics |= {f"advantage/pos_bin{b}": v for b, v in enumerate(position_adv)}
-    step_metrics |= {f"time/{k}": v for k, v in timings.items()}
-    step_metrics["time/step"] = sum(timings.values())
-    step_metrics["perf/tokens_per_s"] = mask.sum().item() / step_metrics["time/step"]
-    metrics |= fsdp_utils.reduce_metrics(
-        step_metrics, maxes=("response_length/max",),
-        sums=("reward/grader_timeouts", "reward/missing_box", "perf/tokens_per_s"),
-    )
+    if "old_values" in per_token:
+        values = per_token["old_values"]
+        metrics |= {"critic/values_mean": masked_mean(values, mask).item(),
+                    "critic/vf_explained_var": explained_variance(values, per_token["returns"], mask).item()}
+    metrics |= {f"advantage/pos_bin{b}": v for b, v in enumerate(advantage_by_position(advantages, mask))}
+    metrics |= {f"time/{k}": v for k, v in timings.items()}
+    metrics["time/step"] = sum(timings.values())
+    metrics["perf/tokens_per_s"] = mask.sum().item() / metrics["time/step"]
+    return fsdp_utils.reduce_metrics(metrics, maxes=("response_length/max",),
+                                     sums=("reward/grader_timeouts", "reward/missing_box", "perf/tokens_per_s"))
+
+
+def check_diverged(metrics: dict, models: dict) -> None:
+    """FloatingPointError when a loss or a parameter is no longer finite."""
     for key in ("actor/pg_loss", "critic/vf_loss"):
         if key in metrics and not math.isfinite(metrics[key]):
             raise FloatingPointError(f"{key} is {metrics[key]}")
-    return metrics
+    for name, model in models.items():
+        assert_finite(model.named_parameters(), f"{name} after the update")
 
 
 def shard(cfg, model, dist_info):
@@ -215,8 +234,6 @@ def build_engine(cfg, actor, path: str, tokenizer):
 
 def print_plan(cfg: Config) -> None:
     """--plan: per-GPU memory of this config at torchrun's world size (16 when not under torchrun)."""
-    import memory_plan
-
     shape = memory_plan.QWEN25_32B  # --plan without --model: the paper's model
     if cfg.model is not None:
         shape = memory_plan.ModelShape.from_config(AutoConfig.from_pretrained(prepare_sft(cfg)))  # checks --model
@@ -236,68 +253,56 @@ def main(cfg: Config) -> dict:
     try:  # before any stage runs: a GPU-only flag on a CPU machine stops here
         fsdp_utils.check_gpu_options(cfg.mixed_precision, cfg.cpu_offload)
     except ValueError as err:
-        raise SystemExit(f"error: {err}") from None
+        raise ConfigError(str(err)) from None
     dist_info = fsdp_utils.init_distributed()
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
-    run_dir = rundir.prepare(cfg, dist_info.is_main)
+    run_dir = rundir.prepare(cfg)
 
-    # Stages before PPO: each writes a directory and is skipped when it exists.
+    # The stages before PPO, each cached (rundir.build_once): pi_SFT, the ORM, value pretraining.
     sft_path = prepare_sft(cfg)
     tokenizer = AutoTokenizer.from_pretrained(sft_path)
     train_records, eval_records = prepare_data(cfg, tokenizer)
     grader = Grader(num_workers=cfg.grader_workers, timeout_s=cfg.grader_timeout_s)
     models = {"actor": load_actor(cfg, sft_path, dist_info)}
-    engine = build_engine(cfg, models["actor"], sft_path, tokenizer)
-    summary = {"sft": rundir.evaluate_sft(cfg, engine, tokenizer, eval_records, grader, run_dir, dist_info.is_main)}
-
+    sampler = Sampler(cfg, build_engine(cfg, models["actor"], sft_path, tokenizer), tokenizer, grader)
+    summary = {"sft": evaluate_once(sampler, eval_records, "sft", os.path.join(run_dir, "eval_sft.json"))}
     if cfg.estimator == "gae":  # GRPO has no critic
-        critic_init = prepare_orm(cfg, sft_path, engine, tokenizer, train_records, grader)
-        vp_dir = os.path.join(run_dir, "value_pretrain")
-        pretrained = cfg.value_pretrain_steps > 0 and os.path.exists(os.path.join(vp_dir, "critic"))
-        critic = shard(cfg, load_value_model(os.path.join(vp_dir, "critic") if pretrained else critic_init),
-                       dist_info)
-        if cfg.value_pretrain_steps > 0 and not pretrained:
-            pretrain_opt = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr, weight_decay=0.0)
-            history = pretrain_value(cfg, critic, pretrain_opt, engine, tokenizer, train_records, grader, vp_dir)
-            summary["value_pretrain"] = history[-1]
-        elif pretrained and os.path.exists(os.path.join(vp_dir, "curve.jsonl")):  # done by an earlier run here
-            with open(os.path.join(vp_dir, "curve.jsonl")) as f:
-                summary["value_pretrain"] = json.loads(f.readlines()[-1])
-        models["critic"] = critic
+        critic_init = sft_path if cfg.critic_init == "sft" else prepare_orm(cfg, sft_path, sampler, train_records)
+        models["critic"], pretrained = prepare_value_critic(cfg, run_dir, critic_init, sampler, train_records,
+                                                            place=functools.partial(shard, cfg, dist_info=dist_info))
+        if pretrained is not None:
+            summary["value_pretrain"] = pretrained
 
     lr = {"actor": cfg.actor_lr, "critic": cfg.critic_lr}
     optimizers = {name: torch.optim.AdamW(m.parameters(), lr=lr[name], weight_decay=0.0) for name, m in models.items()}
     warmup = lambda s: min(1.0, (s + 1) / max(1, cfg.lr_warmup_steps))  # warm-up, then constant
     schedulers = [torch.optim.lr_scheduler.LambdaLR(o, warmup) for o in optimizers.values()]
-    ref_actor = load_actor(cfg, sft_path, dist_info) if cfg.kl_coef else None
-
+    reference = load_actor(cfg, sft_path, dist_info) if cfg.kl_coef else None
     start = rundir.resume(cfg, run_dir, models, optimizers, schedulers)
     if start:
-        engine.sync_weights(models["actor"])  # the rollout engine samples from the restored actor
-    log = rundir.MetricsLog(run_dir, keep_up_to_step=start - 1, enabled=dist_info.is_main)
+        sampler.engine.sync_weights(models["actor"])  # the rollout engine samples from the restored actor
+    log = rundir.MetricsLog(run_dir, keep_up_to_step=start - 1)
 
-    bar = tqdm(range(start, cfg.steps), desc="PPO", dynamic_ncols=True, disable=not dist_info.is_main)
+    bar = tqdm(range(start, cfg.steps), desc="PPO", dynamic_ncols=True, disable=not fsdp_utils.is_main())
     for step in bar:
         try:
-            metrics = ppo_step(cfg, step, models, optimizers, engine, tokenizer, train_records, grader,
-                               ref_actor)
-            for name, model in models.items():
-                assert_finite(model.named_parameters(), f"{name} after the update")
+            metrics = ppo_step(cfg, step, sampler, train_records, models, optimizers, reference)
+            check_diverged(metrics, models)
         except FloatingPointError as err:  # a diverged model: say so, and what is left to resume from
-            sys.exit(f"error: PPO step {step}: {err}; stopped: the model diverged. {rundir.last_checkpoint(run_dir)}")
-        for s in schedulers:
-            s.step()
-        engine.sync_weights(models["actor"])
+            raise FloatingPointError(f"PPO step {step}: {err}; stopped: the model diverged. "
+                                     f"{rundir.last_checkpoint(run_dir)}") from None
+        for scheduler in schedulers:
+            scheduler.step()
+        sampler.engine.sync_weights(models["actor"])
         log.write(step, metrics)
-        bar.set_postfix(acc=f"{metrics['reward/accuracy']:.2f}",
-                        len=f"{metrics['response_length/mean']:.0f}")
+        bar.set_postfix(acc=f"{metrics['reward/accuracy']:.2f}", len=f"{metrics['response_length/mean']:.0f}")
         if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
             rundir.save(cfg, run_dir, step, models, optimizers, schedulers)
 
-    summary["ppo"] = evaluate(cfg, engine, tokenizer, eval_records, grader, "ppo")
+    summary["ppo"] = evaluate(sampler, eval_records, "ppo")
     grader.close()
-    if dist_info.is_main:
+    if fsdp_utils.is_main():
         rundir.write_json(os.path.join(run_dir, "summary.json"), summary)
         print_summary(summary, run_dir)
     fsdp_utils.close_distributed()
@@ -321,7 +326,7 @@ def print_summary(summary: dict, run_dir: str) -> None:
 if __name__ == "__main__":
     try:
         main(parse_config(sys.argv[1:], description=__doc__))
-    # Bad input, a diverged model, an unreadable checkpoint: the message says which and where.
-    except (DataError, FileNotFoundError, FloatingPointError, fsdp_utils.CheckpointError) as err:
+    # Bad settings or input, a diverged model, an unreadable checkpoint: the message says which and where.
+    except (ConfigError, DataError, FileNotFoundError, FloatingPointError, fsdp_utils.CheckpointError) as err:
         sys.exit(f"error: {err}")
     fsdp_utils.exit_now_if_gloo()  # torchrun on CPU: see there why

@@ -17,16 +17,21 @@ import functools
 import json
 import os
 
+import torch
 from tqdm import tqdm
 
-from critic import assert_finite, response_values
+from critic import critic_loss, load_value_model, response_values
 from data import sample_prompts, stream_seed
-from fsdp_utils import (export_hf_checkpoint, latest_checkpoint, load_checkpoint, rank, reduce_metrics,
+from fsdp_utils import (export_hf_checkpoint, is_main, latest_checkpoint, load_checkpoint, reduce_metrics,
                         remove_checkpoint, save_checkpoint)
 from gae import compute_gae
-from ppo import explained_variance, micro_batched_forward, update_model, value_loss
-from reward import score_rollout
-from rollout import decode_responses
+from ppo import assert_finite, check_masked_inputs, explained_variance, micro_batched_forward, update_model
+from rundir import build_once
+from sampling import Sampler
+
+# What the pretrained critic depends on beyond the run directory's own config.json.
+VALUE_PRETRAIN_SETTINGS = ("critic_init", "value_pretrain_steps", "critic_lr", "plateau_window",
+                           "plateau_rel_tol", "plateau_ev_tol")
 
 
 def plateaued(history: list[dict], window: int, rel_tol: float, ev_tol: float) -> bool:
@@ -43,11 +48,32 @@ def plateaued(history: list[dict], window: int, rel_tol: float, ev_tol: float) -
     return loss_prev - loss_last < rel_tol * loss_prev and ev_last - ev_prev < ev_tol
 
 
-def pretrain_value(cfg, critic, critic_optimizer, engine, tokenizer, records, grader, out_dir: str):
-    """Train `critic` against the frozen policy behind `engine`; save it and its curve to `out_dir`.
+def pretrain_step(cfg, step: int, critic, critic_optimizer, sampler: Sampler, records: list[dict]) -> dict:
+    """One step of §3.2: sample from the frozen policy, regress the critic on the lambda = 1 return."""
+    prompts = sample_prompts(records, cfg, step, stream="value_pretrain")
+    scored = sampler.sample_and_score(prompts, stream_seed(cfg.seed, "value_pretrain/sampling", step))
+    batch, mask = scored.batch, scored.batch.response_mask
+    values = micro_batched_forward(functools.partial(response_values, critic), batch, cfg.micro_batch_size,
+                                   cfg.micro_batch_tokens)
+    assert_finite([("values", values)], "forward before the update")
+    # Critic targets with lambda = 1: the Monte-Carlo return, no lambda^(T-t) decay (§3.3).
+    _, returns = compute_gae(scored.token_rewards, values, mask, cfg.gamma, lam=1.0)
+    per_token = {"returns": returns, "old_values": values}
+    check_masked_inputs(mask, right_padded=True, **per_token)  # once here, not in every micro-batch's loss
+    metrics = update_model(cfg, critic, critic_optimizer, batch, per_token, critic_loss,
+                           seed=stream_seed(cfg.seed, "value_pretrain/shuffle", step), prefix="critic")
+    assert_finite(critic.named_parameters(), "critic after the update")
+    # Over all ranks (vf_loss already is), so that every rank takes the same stopping decision.
+    return {"step": step, "value_loss": metrics["critic/vf_loss"]} | reduce_metrics({
+        "explained_variance": explained_variance(values, returns, mask).item(),
+        "reward_mean": scored.outcomes.mean().item(),
+        "response_length": batch.lengths.float().mean().item(),
+    })
 
-    Returns the per-step history (value_loss, explained_variance, reward_mean, ...).
-    """
+
+def pretrain_value(cfg, critic, critic_optimizer, sampler: Sampler, records: list[dict], out_dir: str) -> list[dict]:
+    """Train `critic` against the frozen policy behind `sampler`; save it and its curve to `out_dir`
+    (critic/, curve.jsonl). Returns the per-step history (value_loss, explained_variance, ...)."""
     os.makedirs(out_dir, exist_ok=True)
     # Checkpointed every `save_every` steps like PPO (100 steps at 32B take hours); a resumed run
     # replays the same draws (data.stream_seed), so it ends as if never stopped.
@@ -58,32 +84,10 @@ def pretrain_value(cfg, critic, critic_optimizer, engine, tokenizer, records, gr
     bar = tqdm(range(len(history), cfg.value_pretrain_steps), desc="value pretraining", dynamic_ncols=True,
                initial=len(history), total=cfg.value_pretrain_steps)
     for step in bar:
-        prompts = sample_prompts(records, cfg, step, stream="value_pretrain")
-        batch = engine.generate(
-            [r["prompt_ids"] for r in prompts],
-            cfg.max_new_tokens,
-            cfg.temperature,
-            cfg.top_p,
-            seed=stream_seed(cfg.seed, "value_pretrain/sampling", step),
-        )
-        texts = decode_responses(tokenizer, batch)
-        scores, token_rewards, _ = score_rollout(batch, texts, prompts, grader, cfg)
-        values = micro_batched_forward(functools.partial(response_values, critic), batch, cfg.micro_batch_size,
-                                       cfg.micro_batch_tokens)
-        assert_finite([("values", values)], f"value pretraining step {step}")
-        # Critic targets with lambda = 1: the Monte-Carlo return, no lambda^(T-t) decay (§3.3).
-        _, returns = compute_gae(token_rewards, values, batch.response_mask, cfg.gamma, lam=1.0)
-        rows = {"returns": returns, "old_values": values}
-        metrics = update_model(cfg, critic, critic_optimizer, batch, rows, critic_loss,
-                               seed=stream_seed(cfg.seed, "value_pretrain/shuffle", step), prefix="critic")
-        assert_finite(critic.named_parameters(), f"value pretraining step {step}, critic after the update")
-        # Over all ranks (vf_loss already is), so that every rank takes the same stopping decision.
-        row = {"step": step, "value_loss": metrics["critic/vf_loss"]} | reduce_metrics({
-            "explained_variance": explained_variance(values, returns, batch.response_mask).item(),
-            "reward_mean": scores.mean().item(),
-            "response_length": batch.lengths.float().mean().item(),
-        })
-        history.append(row)
+        try:
+            history.append(row := pretrain_step(cfg, step, critic, critic_optimizer, sampler, records))
+        except FloatingPointError as err:  # a diverged critic: say when
+            raise FloatingPointError(f"value pretraining step {step}: {err}") from None
         bar.set_postfix(loss=f"{row['value_loss']:.4f}", ev=f"{row['explained_variance']:.3f}")
         if plateaued(history, cfg.plateau_window, cfg.plateau_rel_tol, cfg.plateau_ev_tol):
             tqdm.write(f"value pretraining: converged at step {step} (loss and EV plateaued)")
@@ -91,18 +95,32 @@ def pretrain_value(cfg, critic, critic_optimizer, engine, tokenizer, records, gr
         if (step + 1) % cfg.save_every == 0:
             save_checkpoint(ckpt, {"critic": critic}, {"critic": critic_optimizer}, {"history": history})
     export_hf_checkpoint(critic, None, os.path.join(out_dir, "critic"))  # collective under torchrun
-    if rank() == 0:
+    if is_main():
         with open(os.path.join(out_dir, "curve.jsonl"), "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in history)
     remove_checkpoint(ckpt)  # the exported critic supersedes it
     return history
 
 
-def critic_loss(critic, micro, rows, normalizer, cfg, clip=None):
-    """Value loss (Eq. 2) of one micro-batch, for `ppo.update_model`. PPO clips around the old
-    values (`cfg.value_clip`); pretraining does not, so the critic moves freely to the MC return."""
-    values = response_values(critic, micro)
-    return value_loss(
-        values, rows["old_values"], rows["returns"], micro.response_mask,
-        clip=clip, mode=cfg.loss_agg, normalizer=normalizer,
-    )
+def prepare_value_critic(cfg, run_dir: str, init_path: str, sampler: Sampler, records: list[dict], place):
+    """The critic PPO starts from, and the last row of its pretraining curve (None without
+    pretraining). `init_path`: pi_SFT (a fresh head) or the ORM; `place` puts a model on this
+    rank's device (FSDP under torchrun). Pretraining is a cached stage of the run directory
+    (<run_dir>/value_pretrain, `rundir.build_once`), resumable from its checkpoint."""
+    if cfg.value_pretrain_steps == 0:
+        return place(load_value_model(init_path)), None
+    path, critic = os.path.join(run_dir, "value_pretrain"), None
+
+    def build(staging: str) -> None:
+        nonlocal critic
+        critic = place(load_value_model(init_path))
+        optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr, weight_decay=0.0)
+        pretrain_value(cfg, critic, optimizer, sampler, records, staging)
+
+    if not build_once(path, {k: getattr(cfg, k) for k in VALUE_PRETRAIN_SETTINGS}, build):
+        critic = place(load_value_model(os.path.join(path, "critic")))  # pretrained by an earlier run here
+    curve = os.path.join(path, "curve.jsonl")
+    if not os.path.exists(curve):
+        return critic, None
+    with open(curve) as f:
+        return critic, json.loads(f.readlines()[-1])

@@ -1,4 +1,4 @@
-"""The ablation grid on the built-in task (paper Fig. 1 and Table 2; PAPER.md §6-7).
+"""The ablation grid on the built-in task (paper Fig. 1 and Table 2).
 
 Runs `train.py` once per (variant, seed), or reads the runs that already finished, then draws
 response length and accuracy over PPO steps (mean and +-1 std over seeds) and tabulates the held-out
@@ -23,15 +23,15 @@ summary.json is read, not rerun, and one that stopped is resumed from its checkp
     python analysis/ablation.py --quick          # plain PPO vs VC-PPO x 2 seeds, 10 steps: <= 10 min on 2 cores
     python analysis/ablation.py --variants ppo vc-ppo --seeds 0 -- --steps 10
 """
-import sys; from pathlib import Path; sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # repo root
-
 import dataclasses
 import json
 import os
 import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
+from pathlib import Path
 
 import matplotlib
 
@@ -41,11 +41,12 @@ import numpy as np
 from tqdm import tqdm
 
 import rundir
+from analysis import run_cli
 from config import Config, check_settings, parse_config
 
 TRAIN = Path(__file__).resolve().parents[1] / "train.py"
 
-VARIANTS = {  # name -> (train.py flags, AIME 2024 pass@1 of the paper at 8k context, PAPER.md §6)
+VARIANTS = {  # name -> (train.py flags, AIME 2024 pass@1 the paper reports at 8k context)
     "ppo": (["--critic-init", "rm", "--value-pretrain-steps", "0", "--lam-critic", "0.95"], 5.6),
     "vc-ppo-no-vp": (["--critic-init", "rm", "--value-pretrain-steps", "0"], None),
     "vc-ppo-no-dgae": (["--lam-critic", "0.95"], 29.4),
@@ -104,7 +105,7 @@ def plan_runs(args: Args, train_flags: list[str]) -> list[Run]:
     """One Run per (variant, seed); a finished run whose config differs from the requested one is an error."""
     unknown = [v for v in args.variants if v not in VARIANTS]
     if unknown:
-        raise SystemExit(f"error: unknown variant(s) {unknown}; choose from {list(VARIANTS)}")
+        raise ValueError(f"unknown variant(s) {unknown}; choose from {list(VARIANTS)}")
     runs = []
     for variant in args.variants:
         for seed in args.seeds:
@@ -267,7 +268,7 @@ def main(args: Args, train_flags: list[str]) -> dict:
         wall, failed = run_grid(runs, args.jobs, args.out_dir)
     missing = [r for r in runs if not r.done]
     if len(missing) == len(runs):
-        raise SystemExit(f"error: no finished run to read under {args.out_dir}/ (see each run's train.log)")
+        raise ValueError(f"no finished run to read under {args.out_dir}/ (see each run's train.log)")
     loaded = {}
     for r in runs:
         if r.done:
@@ -287,6 +288,4 @@ def main(args: Args, train_flags: list[str]) -> dict:
 
 
 if __name__ == "__main__":
-    from analysis import cli_with_train_flags
-
-    main(*cli_with_train_flags(Args, __doc__))
+    run_cli(main, Args, __doc__, with_train_flags=True)

@@ -1,4 +1,4 @@
-"""Advantage and value by token position on pi_SFT's rollouts (paper §3.1, Fig. 2; PAPER.md §1, cause 1).
+"""Advantage and value by token position on pi_SFT's rollouts (paper §3.1, Fig. 2: value initialisation bias).
 
 At the start of PPO the policy is pi_SFT. Its rollouts are scored (+-1 on the last token) and three
 critics read V(s_t) on them: the outcome reward model (plain PPO's critic initialisation), pi_SFT with
@@ -15,13 +15,12 @@ task, sampling, reward and the stages --build runs are the run's.
     python analysis/advantage_bias.py --build         # first runs train.py's missing stages (SFT, ORM, §3.2)
     python analysis/advantage_bias.py --rollouts 64 --critic PATH -- --out-dir runs --run-name myrun
 """
-import sys; from pathlib import Path; sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # repo root
-
 import dataclasses
 import json
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import matplotlib
 
@@ -33,16 +32,18 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import rundir
+from analysis import run_cli
 from config import parse_config
-from critic import load_value_model, response_values
+from critic import load_value_model, orm_path, prepare_orm, response_values
 from data import prepare_data, sample_prompts, stream_seed
 from fsdp_utils import local_device
 from gae import compute_gae
 from ppo import masked_mean, masked_sum
-from reward import Grader, prepare_orm, score_rollout
-from rollout import HFRollout, decode_responses
+from rollout import HFRollout
+from sampling import Sampler
 from sft import prepare_sft
-from value_pretrain import pretrain_value
+from value_pretrain import prepare_value_critic
+from verifier import Grader
 
 CRITICS = ("orm", "sft", "pretrained")
 LABELS = {"orm": "ORM-initialised", "sft": "SFT + fresh head", "pretrained": "value-pretrained (§3.2)"}
@@ -100,39 +101,31 @@ def check_args(args: Args) -> None:
 
 def default_paths(args: Args, cfg) -> dict[str, str]:
     """Where train.py writes (or wrote) pi_SFT and each critic, unless a flag names another path."""
-    sft = args.sft or cfg.model or os.path.join(cfg.out_dir, "_shared", "sft")
-    orm_name = "orm" if cfg.model is None else f"orm-{cfg.run_name}"  # reward.prepare_orm's cache
     return {
-        "sft": sft,
-        "orm": args.orm or os.path.join(cfg.out_dir, "_shared", orm_name),
+        "sft": args.sft or cfg.model or os.path.join(cfg.out_dir, "_shared", "sft"),
+        "orm": args.orm or orm_path(cfg),
         "pretrained": args.critic or os.path.join(cfg.out_dir, cfg.run_name, "value_pretrain", "critic"),
     }
 
 
-def build_missing(args: Args, cfg, paths: dict, engine, tokenizer, records, grader) -> None:
+def build_missing(args: Args, cfg, paths: dict, sampler: Sampler, records) -> None:
     """--build: train.py's ORM and value-pretraining stages (SFT is built before the engine exists)."""
-    if args.orm is None and not os.path.exists(paths["orm"]):
-        prepare_orm(dataclasses.replace(cfg, critic_init="rm"), paths["sft"], engine, tokenizer, records, grader)
+    if args.orm is None:
+        prepare_orm(cfg, paths["sft"], sampler, records)
     if args.critic is None and not os.path.exists(paths["pretrained"]) and cfg.value_pretrain_steps > 0:
-        rundir.prepare(cfg, is_main=True)  # the run directory records the settings of what goes in it
+        run_dir = rundir.prepare(cfg)  # the run directory records the settings of what goes in it
+        critic_init = paths["sft"] if cfg.critic_init == "sft" else prepare_orm(cfg, paths["sft"], sampler, records)
         torch.manual_seed(cfg.seed)  # the fresh head, as in train.main
-        critic = load_value_model(prepare_orm(cfg, paths["sft"], engine, tokenizer, records, grader)).to(local_device())
-        optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr, weight_decay=0.0)
-        pretrain_value(cfg, critic, optimizer, engine, tokenizer, records, grader,
-                       os.path.dirname(paths["pretrained"]))
+        prepare_value_critic(cfg, run_dir, critic_init, sampler, records, place=lambda model: model.to(local_device()))
 
 
-def sample_rollouts(args: Args, cfg, engine, tokenizer, records, grader) -> list:
-    """pi_SFT's scored responses: [(RolloutBatch, token rewards [B, T], scores [B])]."""
-    cfg = dataclasses.replace(cfg, prompts_per_step=args.batch_size, samples_per_prompt=1,
-                              seed=args.seed)
+def sample_rollouts(args: Args, cfg, sampler: Sampler, records) -> list:
+    """pi_SFT's scored responses (`sampling.ScoredBatch`), args.rollouts of them, one per prompt."""
+    cfg = dataclasses.replace(cfg, prompts_per_step=args.batch_size, samples_per_prompt=1, seed=args.seed)
     out = []
     for i in tqdm(range(-(-args.rollouts // args.batch_size)), desc="pi_SFT rollouts", leave=False):
         prompts = sample_prompts(records, cfg, i, stream="advantage_bias")[: args.rollouts - i * args.batch_size]
-        batch = engine.generate([p["prompt_ids"] for p in prompts], cfg.max_new_tokens, cfg.temperature,
-                                cfg.top_p, seed=stream_seed(args.seed, "advantage_bias/sampling", i))
-        scores, token_rewards, _ = score_rollout(batch, decode_responses(tokenizer, batch), prompts, grader, cfg)
-        out.append((batch, token_rewards, scores))
+        out.append(sampler.sample_and_score(prompts, stream_seed(args.seed, "advantage_bias/sampling", i)))
     return out
 
 
@@ -149,8 +142,8 @@ def position_sums(rollouts, critic, lambdas, gamma, width: int, bin_size: int) -
         target = sums[key] if lam is None else sums[key][lam]
         target[: len(s)] += s
 
-    for batch, rewards, _ in rollouts:
-        mask = batch.response_mask
+    for scored in rollouts:
+        batch, rewards, mask = scored.batch, scored.token_rewards, scored.batch.response_mask
         values = response_values(critic, batch) if critic is not None else torch.zeros_like(mask)
         add("count", mask, mask)
         add("value", values, mask)
@@ -186,7 +179,7 @@ def binned(per_position: np.ndarray, count: np.ndarray, bin_size: int) -> np.nda
 
 def measure(args: Args, rollouts, paths: dict, gamma: float) -> BiasResult:
     """Binned values and advantages of every critic found at `paths`, on the same rollouts."""
-    width = max(int(b.lengths.max()) for b, _, _ in rollouts)
+    width = max(int(s.batch.lengths.max()) for s in rollouts)
     values, advantages, pearson, first_se, skipped, common = {}, {}, {}, {}, {}, None
     for name in CRITICS:
         path = paths[name]
@@ -210,16 +203,16 @@ def measure(args: Args, rollouts, paths: dict, gamma: float) -> BiasResult:
                           for lam in args.lambdas}
     if common is None:  # no critic at all: positions and returns only
         common = position_sums(rollouts, None, (), gamma, width, args.bin_size)
-    lengths = torch.cat([b.lengths for b, _, _ in rollouts]).float()
-    scores = torch.cat([s for _, _, s in rollouts])
-    finish = [f for b, _, _ in rollouts for f in b.finish_reasons]
+    lengths = torch.cat([s.batch.lengths for s in rollouts]).float()
+    outcomes = torch.cat([s.outcomes for s in rollouts])
+    finish = [f for s in rollouts for f in s.batch.finish_reasons]
     return BiasResult(
         lambdas=args.lambdas, bin_size=args.bin_size, bin_start=np.arange(0, width, args.bin_size),
         tokens=bin_sums(common["count"], args.bin_size),
         mc_return=binned(common["ret"], common["count"], args.bin_size), values=values,
         advantages=advantages, pearson=pearson, first_bin_se=first_se, skipped=skipped,
         rollout={"responses": len(lengths), "mean_length": lengths.mean().item(), "max_length": width,
-                 "accuracy": (scores > 0).float().mean().item(),
+                 "accuracy": (outcomes > 0).float().mean().item(),
                  "truncated": sum(f == "length" for f in finish) / len(finish)},
     )
 
@@ -327,10 +320,11 @@ def main(args: Args, train_argv: list[str] = ()) -> BiasResult:
     # On this process's GPU when there is one; the rollouts, and so every tensor derived from them, follow it.
     engine = HFRollout(AutoModelForCausalLM.from_pretrained(paths["sft"], dtype=torch.float32).to(local_device()), tokenizer)
     with Grader(num_workers=cfg.grader_workers, timeout_s=cfg.grader_timeout_s) as grader:
+        sampler = Sampler(cfg, engine, tokenizer, grader)
         if args.build:
-            build_missing(args, cfg, paths, engine, tokenizer, records, grader)
-        rollouts = sample_rollouts(args, cfg, engine, tokenizer, records, grader)
-    del engine
+            build_missing(args, cfg, paths, sampler, records)
+        rollouts = sample_rollouts(args, cfg, sampler, records)
+    del engine, sampler
     seconds = {"rollouts": time.perf_counter() - start}
     start = time.perf_counter()
     result = measure(args, rollouts, paths, cfg.gamma)
@@ -346,6 +340,4 @@ def main(args: Args, train_argv: list[str] = ()) -> BiasResult:
 
 
 if __name__ == "__main__":
-    from analysis import cli_with_train_flags
-
-    main(*cli_with_train_flags(Args, __doc__))
+    run_cli(main, Args, __doc__, with_train_flags=True)

@@ -1,9 +1,9 @@
-"""Equation 8 checked by exact enumeration (paper §3.3, Eq. 8; PAPER.md §3).
+"""Equation 8 checked by exact enumeration (paper §3.3, Eq. 8).
 
 A small token MDP is enumerated completely: every response up to `horizon` tokens, a tabular softmax
 policy over prefixes, a terminal +-1 reward. Expectations are then exact sums over responses, so the
 policy gradient and the expected GAE gradient E[sum_t A_t grad log pi(a_t|s_t)] can be compared with
-no sampling noise, for several lambdas and critics V'. The script shows the three facts of PAPER.md §3:
+no sampling noise, for several lambdas and critics V'. The script shows three facts (gae.py's docstring):
   1. Eq. 8 is an algebraic identity: gae.compute_gae == gae.eq8_advantages on every response;
   2. the baseline term has zero mean: E[sum_t V'(s_t) grad log pi(a_t|s_t)] = 0 for any V';
   3. lambda = 1 is unbiased for every V'; lambda < 1 is unbiased only for V' = V^pi.
@@ -11,11 +11,10 @@ no sampling noise, for several lambdas and critics V'. The script shows the thre
     python analysis/eq8_check.py                      # writes runs/analysis/eq8_check.{png,md}
     python analysis/eq8_check.py --horizon 8 --n-tokens 3 --out /tmp/eq8
 """
-import sys; from pathlib import Path; sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # repo root
-
 import itertools
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import matplotlib
 
@@ -23,9 +22,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
-import tyro
 from tqdm import tqdm
 
+from analysis import run_cli
 from gae import compute_gae, eq8_advantages
 
 MAX_RESPONSES = 200_000  # the enumeration is exact, so it must stay small
@@ -213,7 +212,7 @@ def markdown(res: Eq8Result, args: Args, seconds: float) -> str:
         f"- lambda < 1 with a wrong critic: relative bias {min(wrong):.1e} to {max(wrong):.1e}." if wrong else "",
     ]
     return "\n".join([
-        "# Equation 8 by exact enumeration (paper §3.3, PAPER.md §3)", "",
+        "# Equation 8 by exact enumeration (paper §3.3)", "",
         f"Token MDP: {args.n_tokens} content tokens{' + EOS' if args.eos else ''}, horizon {args.horizon}, "
         f"{res.n_responses} responses, {res.n_states} states, tabular softmax policy (seed {args.seed}), "
         f"terminal +-1 reward, gamma = 1. Gradients and critics in float64; advantages from gae.py in "
@@ -239,4 +238,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    run_cli(main, Args, __doc__)

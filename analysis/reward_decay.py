@@ -1,4 +1,4 @@
-"""Reward signal decay in the critic's GAE target (paper §3.1; PAPER.md §1, cause 2).
+"""Reward signal decay in the critic's GAE target (paper §3.1, the second cause of the collapse).
 
 With a single terminal reward r and lambda < 1, the critic target of a token d positions before the
 last one receives only lambda^d * r (the paper writes lambda^(T-t), T the last token's index). The
@@ -9,10 +9,9 @@ so the figure checks the code as well as the formula.
     python analysis/reward_decay.py                   # writes runs/analysis/reward_decay.{png,md}
     python analysis/reward_decay.py --lambdas 0.9 0.99 --max-distance 2000 --out /tmp/decay
 """
-import sys; from pathlib import Path; sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # repo root
-
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import matplotlib
 
@@ -20,9 +19,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
-import tyro
 from tqdm import tqdm
 
+from analysis import run_cli
 from gae import compute_gae
 
 
@@ -107,7 +106,7 @@ def markdown(c: DecayCurves, table_distances: tuple[int, ...], seconds: float) -
     subnormal = (c.code > 0) & (c.code < c.tiny())
     horizon = ", ".join(f"{1 / (1 - lam):.0f} (lambda={lam:g})" for lam in c.lambdas if lam < 1)
     return "\n".join([
-        "# Reward signal decay (paper §3.1, PAPER.md §1)", "",
+        "# Reward signal decay (paper §3.1)", "",
         "Weight lambda^d of a unit terminal reward in the critic target of the token d positions before the "
         "last one (gamma = 1, zero values). Each cell: formula in float64 (gae.compute_gae returns in "
         f"{c.code_dtype}).", "", head, "|---|" + "---|" * len(c.lambdas), *rows, "",
@@ -137,4 +136,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    run_cli(main, Args, __doc__)

@@ -1,4 +1,4 @@
-"""Value pretraining curves: value loss and explained variance per step (paper §3.2; PAPER.md §2, §7).
+"""Value pretraining curves: value loss and explained variance per step (paper §3.2).
 
 The paper watches both while the critic is regressed on lambda = 1 targets of the frozen pi_SFT: a
 fast "range alignment" phase, then slower "knowledge injection"; it stops near 100 steps. This
@@ -8,19 +8,19 @@ one or more runs and draws both against the step, with a first/last/best table.
     python analysis/value_pretrain_curves.py                    # every run under runs/ with a curve
     python analysis/value_pretrain_curves.py --runs runs/a runs/b --out /tmp/curves
 """
-import sys; from pathlib import Path; sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # repo root
-
 import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
-import tyro
 from tqdm import tqdm
+
+from analysis import run_cli
 
 CURVE = Path("value_pretrain", "curve.jsonl")
 KEYS = ("step", "value_loss", "explained_variance")
@@ -134,4 +134,4 @@ def main(args: Args) -> list[Curve]:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    run_cli(main, Args, __doc__)

@@ -34,8 +34,8 @@ import time
 import numba
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import gae  # noqa: E402
+import gae
+import gae_fast
 
 SHAPES = ((64, 8192), (16, 32768))
 GPU_SHAPES = ((64, 8192), (512, 8192))
@@ -69,12 +69,12 @@ def time_loop(batch, repeats):
 
 def chunked_scan(rewards, values, mask):
     """decoupled_gae through the chunked scan, as GPU inputs run it."""
-    compiled_loop_applies = gae._compiled_loop_applies
-    gae._compiled_loop_applies = lambda *tensors: False
+    compiled_loop_applies = gae_fast.compiled_loop_applies
+    gae_fast.compiled_loop_applies = lambda *tensors: False
     try:
         return gae.decoupled_gae(rewards, values, mask, 1.0, 0.95, 1.0)
     finally:
-        gae._compiled_loop_applies = compiled_loop_applies
+        gae_fast.compiled_loop_applies = compiled_loop_applies
 
 
 def time_fast_and_copy(batch, repeats):
@@ -127,7 +127,7 @@ def time_on(device, fn, repeats):
 def gpu_main(repeats, device="cuda", shapes=GPU_SHAPES):
     """GPU timings (module docstring); asserts each result against the CPU loop. device="cpu"
     (--dry-run) only checks that this code runs: CPU inputs take the compiled loop."""
-    kernel = gae._triton_kernel() is not None and device == "cuda"
+    kernel = gae_fast.triton_kernel() is not None and device == "cuda"
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU dry run"
     print(f"torch {torch.__version__}, {name}, decoupled_gae path: "
           f"{'Triton kernel' if kernel else 'chunked scan (no Triton)' if device == 'cuda' else 'compiled loop'}", flush=True)
@@ -161,12 +161,12 @@ def gpu_main(repeats, device="cuda", shapes=GPU_SHAPES):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: robust to a shared CPU)")
-    parser.add_argument("--chunk", type=int, default=gae.CHUNK, help="chunk size of the chunked scan (gae.CHUNK)")
+    parser.add_argument("--chunk", type=int, default=gae_fast.CHUNK, help="chunk size of the chunked scan (gae_fast.CHUNK)")
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per measurement")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: time the GPU paths")
     parser.add_argument("--dry-run", action="store_true", help="with --device cuda: run its code on the CPU, small")
     args = parser.parse_args()
-    gae.CHUNK = args.chunk
+    gae_fast.CHUNK = args.chunk
     if args.device == "cuda" and args.dry_run:
         return gpu_main(2, "cpu", shapes=((8, 1024), (64, 1024)))
     if args.device == "cuda":
@@ -176,7 +176,7 @@ def main():
     torch.set_num_threads(args.threads)
     numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
     print(f"torch {torch.__version__}, threads={args.threads} (torch and numba), cpus={os.cpu_count()}, "
-          f"chunk={gae.CHUNK}", flush=True)
+          f"chunk={gae_fast.CHUNK}", flush=True)
 
     batches = {shape: make_batch(*shape) for shape in SHAPES}
     loop = {}

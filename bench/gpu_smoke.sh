@@ -31,7 +31,8 @@ if compgen -G "bench/wheels/*.whl" > /dev/null; then  # pure-Python wheels are z
   for wheel in bench/wheels/*.whl; do "$PY" -m zipfile -e "$wheel" "$WORK/site"; done
   export PYTHONPATH="$WORK/site"
 fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" VLLM_ENABLE_V1_MULTIPROCESSING=0
+# The project, and the helpers its checks share with bench/ and the multi-process tests.
+export PYTHONPATH="$PWD:$PWD/bench:$PWD/tests/dist_workers${PYTHONPATH:+:$PYTHONPATH}" VLLM_ENABLE_V1_MULTIPROCESSING=0
 HAVE_VLLM=$("$PY" - <<'EOF'
 import importlib.util, sys
 missing = [m for m in ("torch", "transformers", "numba", "tyro", "math_verify", "tensorboard", "tqdm")
@@ -84,7 +85,6 @@ agreement is measured, not required to be exact (a random model has near-ties, a
 diverges for good after its first different token). Weights that failed to load give ~0."""
 import os, sys, time
 import torch
-sys.path.insert(0, os.path.join(os.getcwd(), "tests", "dist_workers"))
 from common import PROMPTS, tiny_actor
 from fsdp_utils import export_hf_checkpoint, init_distributed, iter_full_weights, shard_model
 from rollout import HFRollout, VLLMRollout

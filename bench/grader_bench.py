@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import os
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 
 import tyro
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from reward import Grader, rule_reward  # noqa: E402
+from verifier import Grader, rule_reward
 
 
 @dataclass
@@ -70,7 +68,7 @@ def main(args: Args) -> None:
             t0 = time.perf_counter()
             result = grader.grade(responses, answers)
             t_pool = time.perf_counter() - t0
-            if result.rewards != serial:
+            if result.outcomes != serial:
                 raise SystemExit("grader and rule_reward disagree")
             ratios.append(t_pool / t_serial)
             print(f"repeat {r}: serial {t_serial:.2f} s, grader {t_pool:.2f} s, "

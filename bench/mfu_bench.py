@@ -24,7 +24,6 @@ shape, in float32 (the MFU it prints is of no meaning there).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -33,12 +32,11 @@ import torch
 from tqdm import tqdm
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import fsdp_utils  # noqa: E402
-import train  # noqa: E402
-from config import Config  # noqa: E402
-from ppo import update_model  # noqa: E402
-from rollout import RolloutBatch  # noqa: E402
+import fsdp_utils
+import train
+from config import Config
+from ppo import update_model
+from rollout import RolloutBatch
 
 PEAK_FLOPS = 989e12  # H200 (and H100 SXM) dense bf16
 QWEN25_1_5B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,

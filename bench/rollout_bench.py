@@ -20,7 +20,6 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = {  # head_dim 64 throughout: vLLM's CPU attention needs it
     "tiny": dict(num_layers=2, hidden_size=128, num_heads=2, num_kv_heads=1, intermediate_size=384),
     "mid": dict(num_layers=8, hidden_size=512, num_heads=8, num_kv_heads=2, intermediate_size=1536),
@@ -31,7 +30,6 @@ def measure(args) -> dict:
     """In the child: build the model, time generation with one backend, return the numbers."""
     import torch
 
-    sys.path.insert(0, REPO)
     from task import build_tokenizer, make_problems, make_tiny_model
 
     torch.set_num_threads(args.threads)

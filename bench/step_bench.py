@@ -9,11 +9,7 @@ clipping, metrics, global-token normalisation. Goal: <= 1.3.
 """
 
 import statistics
-import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import tyro

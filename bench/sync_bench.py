@@ -19,7 +19,6 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = {  # head_dim 64 (vLLM's CPU attention)
     "mid": dict(num_layers=8, hidden_size=512, num_heads=8, num_kv_heads=2, intermediate_size=1536),
     "large": dict(num_layers=12, hidden_size=1024, num_heads=16, num_kv_heads=4, intermediate_size=3072),
@@ -41,8 +40,7 @@ def worker(args) -> None:
     import torch
     import torch.distributed as dist
 
-    sys.path.insert(0, REPO)
-    from fsdp_utils import export_hf_checkpoint, init_distributed, shard_model
+    from fsdp_utils import export_hf_checkpoint, init_distributed, is_main, shard_model
     from rollout import VLLMRollout
     from task import build_tokenizer, make_tiny_model
 
@@ -61,7 +59,7 @@ def worker(args) -> None:
     sources = [p.detach().clone() for p in make_tiny_model(tokenizer, **MODELS[args.model]).parameters()]
     targets = [torch.empty_like(t) for t in sources]
     copy_s = timed(lambda: [t.copy_(s) for t, s in zip(targets, sources)], 10 * args.repeats)  # cheap: more samples
-    if info.is_main:
+    if is_main():
         print(json.dumps({"model": args.model, "ranks": info.world_size, "gb": nbytes / 1e9,
                           "sync_s": sync_s, "copy_s": copy_s}))
     if dist.is_initialized():
@@ -82,8 +80,7 @@ def main() -> None:
     if args.model:
         worker(args)
         return
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": REPO}
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "CUDA_VISIBLE_DEVICES": ""}
     print(f"{'model':<7}{'ranks':>6}{'GB':>7}{'sync s':>9}{'sync s/GB':>11}{'copy s/GB':>11}{'sync/copy':>11}")
     for model in args.models:
         launcher = ["-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc)] if args.nproc > 1 else []

@@ -53,7 +53,7 @@ def test_reads_a_grid_and_reports_mean_and_sample_std(tmp_path):
 def test_a_finished_run_with_other_settings_is_refused(tmp_path):
     fake_run(tmp_path, "ppo", 0, 0.2, [100, 90])
     args = ablation.Args(out=tmp_path / "out", out_dir=str(tmp_path), variants=("ppo",), seeds=(0,), read_only=True)
-    with pytest.raises(SystemExit, match="ablation__ppo__seed0 was made with other settings .*steps"):
+    with pytest.raises(config.ConfigError, match="ablation__ppo__seed0 was made with other settings .*steps"):
         ablation.main(args, ["--steps", "3"])
 
 
@@ -66,9 +66,9 @@ def test_flags_for_every_run_do_not_override_what_a_variant_sets(tmp_path):
 
 
 def test_unknown_variant_and_nothing_to_read_are_clear_errors(tmp_path):
-    with pytest.raises(SystemExit, match="unknown variant"):
+    with pytest.raises(ValueError, match="unknown variant"):
         ablation.main(ablation.Args(out_dir=str(tmp_path), variants=("ppo2",)), [])
-    with pytest.raises(SystemExit, match="no finished run"):
+    with pytest.raises(ValueError, match="no finished run"):
         ablation.main(ablation.Args(out_dir=str(tmp_path), variants=("ppo",), read_only=True), [])
 
 

@@ -1,4 +1,4 @@
-"""Properties shown by analysis/eq8_check.py (PAPER.md §3) and analysis/reward_decay.py (PAPER.md §1)."""
+"""Properties shown by analysis/eq8_check.py (paper §3.3) and analysis/reward_decay.py (paper §3.1)."""
 import pytest
 import torch
 
@@ -88,7 +88,7 @@ def test_reward_decay_code_matches_formula():
     assert curves.max_abs_deviation() < 1e-6
     assert curves.max_rel_deviation() < 1e-4  # float32 rounding compounded over 1000 tokens
     assert (curves.code[-1] == 1.0).all()  # lambda = 1: every token sees the full reward
-    assert abs(curves.code[1, 100] - 0.95**100) < 1e-7  # PAPER.md §1: 0.95^100 ~ 0.006
+    assert abs(curves.code[1, 100] - 0.95**100) < 1e-7  # paper §3.1: 0.95^100 ~ 0.006
 
 
 def test_reward_decay_rejects_bad_lambda_and_distance():

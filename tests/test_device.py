@@ -21,11 +21,12 @@ import train  # noqa: E402
 from common import PROMPTS, tiny_actor  # noqa: E402
 from data import prepare_data  # noqa: E402
 from evaluate import evaluate  # noqa: E402
-from critic import load_value_model  # noqa: E402
-from reward import Grader, prepare_orm  # noqa: E402
+from critic import load_value_model, prepare_orm  # noqa: E402  # noqa: E402
 from rollout import HFRollout, RolloutBatch  # noqa: E402
+from sampling import Sampler  # noqa: E402
 from second_device import DEVICE, second_device  # noqa: E402
 from value_pretrain import pretrain_value  # noqa: E402
+from verifier import Grader  # noqa: E402
 
 MICRO = ["--prompts-per-step", "2", "--samples-per-prompt", "2", "--max-new-tokens", "6",
          "--micro-batch-size", "3", "--num-minibatches", "2", "--eval-samples", "2",
@@ -87,9 +88,9 @@ def test_a_ppo_step_runs_with_its_models_on_another_device(estimator, grader):
         if estimator == "gae":
             models["critic"] = value_model_like(actor).to(DEVICE)
         optimizers = {k: torch.optim.AdamW(m.parameters(), lr=1e-3) for k, m in models.items()}
-        engine = HFRollout(models["actor"], tokenizer)
-        ref_actor = tiny_actor()[1].to(DEVICE)
-        metrics = train.ppo_step(cfg, 0, models, optimizers, engine, tokenizer, records, grader, ref_actor)
+        sampler = Sampler(cfg, HFRollout(models["actor"], tokenizer), tokenizer, grader)
+        reference = tiny_actor()[1].to(DEVICE)
+        metrics = train.ppo_step(cfg, 0, sampler, records, models, optimizers, reference)
         assert all(p.device == DEVICE for m in models.values() for p in m.parameters())
     assert metrics["actor/grad_norm"] > 0 and ("critic/grad_norm" in metrics) == (estimator == "gae")
 
@@ -102,11 +103,11 @@ def test_value_pretraining_orm_and_evaluation_run_with_their_models_on_another_d
     actor.save_pretrained(sft_path)
     tokenizer.save_pretrained(sft_path)
     with second_device():
-        engine = HFRollout(actor.to(DEVICE), tokenizer)
+        sampler = Sampler(cfg, HFRollout(actor.to(DEVICE), tokenizer), tokenizer, grader)
         critic = value_model_like(actor).to(DEVICE)
         optimizer = torch.optim.AdamW(critic.parameters(), lr=1e-3)
-        history = pretrain_value(cfg, critic, optimizer, engine, tokenizer, records, grader, str(tmp_path / "vp"))
+        history = pretrain_value(cfg, critic, optimizer, sampler, records, str(tmp_path / "vp"))
         assert len(history) == 1
         orm_cfg = dataclasses.replace(cfg, critic_init="rm", out_dir=str(tmp_path), orm_batches=1, orm_steps=2)
-        assert load_value_model(prepare_orm(orm_cfg, sft_path, engine, tokenizer, records, grader))
-        assert 0.0 <= evaluate(cfg, engine, tokenizer, eval_records, grader, "test")["pass@1"] <= 1.0
+        assert load_value_model(prepare_orm(orm_cfg, sft_path, sampler, records))
+        assert 0.0 <= evaluate(sampler, eval_records, "test")["pass@1"] <= 1.0

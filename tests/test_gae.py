@@ -1,10 +1,12 @@
-"""Tests for gae.py: both fast paths (the compiled CPU loop and the chunked scan) against the plain
-loop, closed forms, Eq. (8), GRPO, input checks. The GPU's Triton kernel: test_gae_triton.py."""
+"""Tests for gae.py: both CPU-testable fast paths of gae_fast.py (the compiled CPU loop and the
+chunked scan) against the definition `gae_reference`, closed forms, Eq. (8), GRPO, input checks.
+The GPU's Triton kernel: test_gae_triton.py."""
 
 import pytest
 import torch
 
 import gae
+import gae_fast
 from gae import (
     compute_gae,
     decoupled_gae,
@@ -22,7 +24,7 @@ def fast_path(request, monkeypatch):
     """Every test runs on both CPU-testable fast paths: the compiled loop that CPU inputs take, and
     the chunked scan that GPU inputs without Triton (and autograd) take, here forced on the CPU."""
     if request.param == "scan":
-        monkeypatch.setattr(gae, "_compiled_loop_applies", lambda *tensors: False)
+        monkeypatch.setattr(gae_fast, "compiled_loop_applies", lambda *tensors: False)
     return request.param
 
 
@@ -49,7 +51,7 @@ def make_batch(batch, length, seed=0, dtype=torch.float32, garbage_padding=True)
 
 
 # Lengths around the chunk size and past CHUNK**2 (three scan levels), and T = 1.
-LENGTHS = [1, 5, gae.CHUNK, gae.CHUNK + 1, 3 * gae.CHUNK - 1, gae.CHUNK**2 + 37]
+LENGTHS = [1, 5, gae_fast.CHUNK, gae_fast.CHUNK + 1, 3 * gae_fast.CHUNK - 1, gae_fast.CHUNK**2 + 37]
 
 
 @pytest.mark.parametrize("length", LENGTHS)
@@ -63,7 +65,7 @@ def test_chunked_gae_matches_reference_loop(length, gamma, lam):
     assert (ret - ref_ret).abs().max() <= 1e-5
 
 
-@pytest.mark.parametrize("length", [1, gae.CHUNK + 3, gae.CHUNK**2 + 5])
+@pytest.mark.parametrize("length", [1, gae_fast.CHUNK + 3, gae_fast.CHUNK**2 + 5])
 def test_per_response_lambda_tensor_matches_reference_and_scalar_rows(length):
     rewards, values, mask = make_batch(5, length, seed=1)
     lam = torch.tensor([0.0, 0.5, 0.9, 0.99, 1.0])
@@ -238,7 +240,7 @@ def test_grpo_and_length_lambda_reject_bad_input():
     mask = torch.ones(6, 3)
     with pytest.raises(ValueError, match="group_size"):
         grpo_advantages(torch.zeros(6), mask, group_size=4)
-    with pytest.raises(ValueError, match="scores contains NaN"):
+    with pytest.raises(ValueError, match="outcomes contains NaN"):
         grpo_advantages(torch.tensor([0.0, float("nan"), 1.0, 1.0, 0.0, 0.0]), mask, group_size=2)
     with pytest.raises(ValueError, match="alpha"):
         length_adaptive_lambda(torch.tensor([10]), alpha=0.0)
@@ -248,7 +250,7 @@ def test_grpo_and_length_lambda_reject_bad_input():
 
 def test_gae_is_differentiable_in_values_even_after_an_inference_mode_call():
     rewards, values, mask = make_batch(3, 40, seed=12, dtype=torch.float64, garbage_padding=False)
-    gae._cached_scan_matrices.cache_clear()
+    gae_fast._cached_scan_matrices.cache_clear()
     with torch.inference_mode():  # fills the matrix cache with this call's chunk matrices
         decoupled_gae(rewards, values, mask, 0.9, 0.8, 1.0)
     values = values.clone().requires_grad_(True)
@@ -259,13 +261,13 @@ def test_cpu_inputs_take_the_compiled_loop_and_others_the_scan(fast_path):
     rewards, values, mask = _good()
     if fast_path == "scan":
         pytest.skip("about the dispatch itself")
-    assert gae._compiled_loop_applies(rewards, values, mask)
-    assert gae._compiled_loop_applies(rewards.double(), values.double(), mask.bool())
-    assert not gae._compiled_loop_applies(rewards.bfloat16(), values.bfloat16(), mask)
-    assert not gae._compiled_loop_applies(rewards, values.double(), mask)
-    assert not gae._compiled_loop_applies(rewards, values.requires_grad_(True), mask)
+    assert gae_fast.compiled_loop_applies(rewards, values, mask)
+    assert gae_fast.compiled_loop_applies(rewards.double(), values.double(), mask.bool())
+    assert not gae_fast.compiled_loop_applies(rewards.bfloat16(), values.bfloat16(), mask)
+    assert not gae_fast.compiled_loop_applies(rewards, values.double(), mask)
+    assert not gae_fast.compiled_loop_applies(rewards, values.requires_grad_(True), mask)
     with torch.no_grad():
-        assert gae._compiled_loop_applies(rewards, values, mask)
+        assert gae_fast.compiled_loop_applies(rewards, values, mask)
 
 
 def test_strided_views_and_odd_dtypes_give_the_contiguous_answer():
@@ -293,15 +295,15 @@ def test_a_nearly_binary_mask_is_rejected_like_any_other(bad):
 
 
 def test_without_a_writable_cache_the_loop_is_compiled_per_process(monkeypatch):
-    njit = gae.numba.njit
+    njit = gae_fast.numba.njit
 
     def no_cache_dir(*args, cache=False, **options):
         if cache:
             raise RuntimeError("cannot cache function 'f': no locator available for file 'gae.py'")
         return njit(*args, **options)
 
-    monkeypatch.setattr(gae.numba, "njit", no_cache_dir)
-    loop = gae._compile(gae._lambda_returns_loop.py_func)
+    monkeypatch.setattr(gae_fast.numba, "njit", no_cache_dir)
+    loop = gae_fast._compile(gae_fast._lambda_returns_loop.py_func)
     rewards, values, mask = make_batch(4, 30, seed=14)
     advantages, returns = torch.empty_like(values), torch.empty_like(values)
     lams = [torch.full((4,), lam, dtype=torch.float64).numpy() for lam in (0.9, 1.0)]

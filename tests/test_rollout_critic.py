@@ -1,11 +1,11 @@
-"""The rollout layout (DESIGN.md tensor conventions) and the critic's reading positions."""
+"""The rollout layout (README "Tensor layout") and the critic's reading positions."""
 
 import pytest
 import torch
 
 import task
-from critic import assert_finite, load_value_model, response_values, value_outputs
-from ppo import response_logprobs
+from critic import load_value_model, response_values, value_outputs
+from ppo import assert_finite, response_logprobs
 from rollout import HFRollout, decode_responses, left_pad
 
 
@@ -103,7 +103,7 @@ def full_forward_logprobs(model, batch):
 
 
 def test_a_response_that_stops_keeps_its_eos_as_its_last_masked_token():
-    """DESIGN.md: mask = 1 on every generated token, the EOS included (its log-prob is trained:
+    """mask = 1 on every generated token, the EOS included (its log-prob is trained:
     it is how the policy learns to stop). tests/dist_workers' tiny actor emits EOS right after a
     prompt ending in "7" and runs to the length limit otherwise, so both endings occur."""
     from dist_workers.common import PROMPTS, tiny_actor

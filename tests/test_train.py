@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 import config
+import critic
 import fsdp_utils
-import reward
 import rundir
 import train
-from reward import GradeResult
+from verifier import GradeResult
 
 ROOT = Path(__file__).resolve().parents[1]
 # A few seconds per stage: a barely trained pi_SFT, short responses, tiny batches.
@@ -63,9 +63,11 @@ def test_micro_pipeline_runs_every_stage_and_logs_every_step(out_dir, sft):
         assert key in rows[0], key
     assert (out_dir / "_shared" / "sft" / "config.json").exists()
     assert (out_dir / "_shared" / "orm" / "config.json").exists()
-    assert (out_dir / "_shared" / "orm" / "orm_settings.json").exists()  # in before the final rename
-    assert not (out_dir / "_shared" / "orm.new").exists()
+    assert (out_dir / "_shared" / "orm" / "settings.json").exists()  # in before the final rename
+    assert not (out_dir / "_shared" / "orm.partial").exists()
     assert (run_dir / "value_pretrain" / "curve.jsonl").exists()
+    assert (run_dir / "value_pretrain" / "settings.json").exists()
+    assert not (run_dir / "value_pretrain.partial").exists()
     assert (run_dir / "checkpoint").is_dir() and (run_dir / "summary.json").exists()
     assert 0.0 <= summary["ppo"]["pass@1"] <= summary["ppo"]["pass@2"] <= 1.0
 
@@ -90,8 +92,8 @@ class EasyProblemGrader:
         self.difficulty = {r["answer"]: r["difficulty"] for r in records}
 
     def grade(self, responses, answers):
-        rewards = [1.0 if self.difficulty[a] == 1 else -1.0 for a in answers]
-        return GradeResult(rewards=rewards, num_timeouts=0, num_missing_box=0)
+        outcomes = [1.0 if self.difficulty[a] == 1 else -1.0 for a in answers]
+        return GradeResult(outcomes=outcomes, num_timeouts=0, num_missing_box=0)
 
 
 def test_value_pretraining_lowers_value_loss_and_raises_explained_variance(out_dir, tmp_path):
@@ -101,6 +103,7 @@ def test_value_pretraining_lowers_value_loss_and_raises_explained_variance(out_d
     from critic import load_value_model
     from data import encode_prompt
     from rollout import HFRollout
+    from sampling import Sampler
     from value_pretrain import pretrain_value
 
     cfg = micro_config(out_dir, "--value-pretrain-steps", "20", "--prompts-per-step", "8",
@@ -116,8 +119,8 @@ def test_value_pretraining_lowers_value_loss_and_raises_explained_variance(out_d
     records = [{**p, "prompt_ids": encode_prompt(tokenizer, p["prompt"])} for p in problems]
     critic = load_value_model(str(tmp_path / "policy"))
     optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr)
-    history = pretrain_value(cfg, critic, optimizer, HFRollout(policy, tokenizer), tokenizer, records,
-                             EasyProblemGrader(records), str(tmp_path / "value_pretrain"))
+    sampler = Sampler(cfg, HFRollout(policy, tokenizer), tokenizer, EasyProblemGrader(records))
+    history = pretrain_value(cfg, critic, optimizer, sampler, records, str(tmp_path / "value_pretrain"))
     first, last = history[:3], history[-3:]
     mean = lambda rows, key: sum(r[key] for r in rows) / len(rows)
     assert mean(last, "value_loss") < 0.5 * mean(first, "value_loss")
@@ -133,6 +136,7 @@ def test_value_pretraining_killed_mid_way_resumes_to_the_same_curve(out_dir, tmp
     from critic import load_value_model
     from data import encode_prompt
     from rollout import HFRollout
+    from sampling import Sampler
     from value_pretrain import pretrain_value
 
     tokenizer = task.build_tokenizer()
@@ -160,8 +164,8 @@ def test_value_pretraining_killed_mid_way_resumes_to_the_same_curve(out_dir, tmp
         torch.manual_seed(0)  # the fresh value head, as train.main seeds it
         critic = load_value_model(str(tmp_path / "policy"))
         optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr)
-        return pretrain_value(cfg, critic, optimizer, engine_class(policy, tokenizer), tokenizer, records, grader,
-                              str(tmp_path / name))
+        sampler = Sampler(cfg, engine_class(policy, tokenizer), tokenizer, grader)
+        return pretrain_value(cfg, critic, optimizer, sampler, records, str(tmp_path / name))
 
     full = run("full", HFRollout)
     with pytest.raises(KeyboardInterrupt):
@@ -181,7 +185,7 @@ def test_value_pretraining_killed_mid_way_resumes_to_the_same_curve(out_dir, tmp
     ("--run-name", "_shared"), ("--run-name", ".."), ("--tensor-parallel-size", "2"), ("--data", "absent.jsonl"),
 ])
 def test_bad_config_values_fail_at_start_naming_the_field(flag, value):
-    with pytest.raises(SystemExit, match=flag):
+    with pytest.raises(config.ConfigError, match=flag):
         config.parse_config([flag, value])
 
 
@@ -190,47 +194,46 @@ def test_batch_must_split_evenly_over_ranks_and_mini_batches(monkeypatch):
     flags = ["--prompts-per-step", "6", "--samples-per-prompt", "2", "--num-minibatches", "3"]
     assert config.parse_config(flags).num_minibatches == 3  # 12 rows, 4 per mini-batch
     monkeypatch.setenv("WORLD_SIZE", "4")
-    with pytest.raises(SystemExit, match="--prompts-per-step = 6 .*multiple of the world size, 4"):
+    with pytest.raises(config.ConfigError, match="--prompts-per-step = 6 .*multiple of the world size, 4"):
         config.parse_config(flags)
     monkeypatch.setenv("WORLD_SIZE", "2")  # 6 rows per rank: 3 mini-batches of 2
     assert config.parse_config(flags).prompts_per_step == 6
-    with pytest.raises(SystemExit, match="--num-minibatches = 4 .*divide the 6 rows"):
+    with pytest.raises(config.ConfigError, match="--num-minibatches = 4 .*divide the 6 rows"):
         config.parse_config([*flags, "--num-minibatches", "4"])
 
 
 def test_a_run_directory_or_cache_made_with_other_settings_is_not_reused(tmp_path):
     """Rerunning or resuming a run name, or reusing the cached pi_SFT or ORM, with settings that
     change the experiment stops at start; the length of the run may change."""
-    from reward import prepare_orm
     from sft import prepare_sft
 
     cfg = micro_config(tmp_path, "--run-name", "r")
-    assert rundir.prepare(cfg, is_main=True) == str(tmp_path / "r")
+    assert rundir.prepare(cfg) == str(tmp_path / "r")
     longer = micro_config(tmp_path, "--run-name", "r", "--steps", "99", "--micro-batch-size", "1", "--resume")
-    assert rundir.prepare(longer, is_main=True) == str(tmp_path / "r")
-    with pytest.raises(SystemExit, match=r"r was made with other settings \(lam_critic 1.0 -> 0.95\)"):
-        rundir.prepare(micro_config(tmp_path, "--run-name", "r", "--lam-critic", "0.95"), is_main=True)
+    assert rundir.prepare(longer) == str(tmp_path / "r")
+    with pytest.raises(config.ConfigError, match=r"r was made with other settings \(lam_critic 1.0 -> 0.95\)"):
+        rundir.prepare(micro_config(tmp_path, "--run-name", "r", "--lam-critic", "0.95"))
 
     orm = tmp_path / "_shared" / "orm"
     orm.mkdir(parents=True)
-    (orm / "orm_settings.json").write_text(json.dumps({k: getattr(cfg, k) for k in reward.ORM_SETTINGS}))
+    (orm / "settings.json").write_text(json.dumps({k: getattr(cfg, k) for k in critic.ORM_SETTINGS}))
     rm = micro_config(tmp_path, "--critic-init", "rm")
-    assert prepare_orm(rm, "sft", None, None, [], None) == str(orm)  # same settings: reused
-    with pytest.raises(SystemExit, match="orm was made with other settings .*orm_steps 3 -> 7"):
-        prepare_orm(micro_config(tmp_path, "--critic-init", "rm", "--orm-steps", "7"), "sft", None, None, [], None)
+    assert critic.prepare_orm(rm, "sft", None, []) == str(orm)  # same settings: reused
+    with pytest.raises(config.ConfigError, match="orm was made with other settings .*orm_steps 3 -> 7"):
+        critic.prepare_orm(micro_config(tmp_path, "--critic-init", "rm", "--orm-steps", "7"), "sft", None, [])
 
     sft = tmp_path / "_shared" / "sft"
     sft.mkdir()
     (sft / "config.json").write_text("{}")
-    (sft / "sft_summary.json").write_text(json.dumps({"steps": 8}))
+    (sft / "settings.json").write_text(json.dumps({"sft_steps": 8}))
     assert prepare_sft(cfg) == str(sft)
-    with pytest.raises(SystemExit, match="sft was made with other settings .*sft_steps 8 -> 9"):
+    with pytest.raises(config.ConfigError, match="sft was made with other settings .*sft_steps 8 -> 9"):
         prepare_sft(micro_config(tmp_path, "--sft-steps", "9"))
 
 
 def test_unreadable_checkpoint_and_diverged_model_stop_with_a_message(out_dir, sft):
     train.main(micro_config(out_dir, "--run-name", "corrupt", "--steps", "1", "--value-pretrain-steps", "0"))
-    with pytest.raises(SystemExit, match="corrupt/checkpoint is at step 0, past --steps 0"):
+    with pytest.raises(config.ConfigError, match="corrupt/checkpoint is at step 0, past --steps 0"):
         train.main(micro_config(out_dir, "--run-name", "corrupt", "--steps", "0", "--value-pretrain-steps", "0",
                                 "--resume"))
     shard = next((out_dir / "corrupt" / "checkpoint").glob("*.distcp"))
@@ -239,10 +242,10 @@ def test_unreadable_checkpoint_and_diverged_model_stop_with_a_message(out_dir, s
         train.main(micro_config(out_dir, "--run-name", "corrupt", "--steps", "2", "--value-pretrain-steps", "0",
                                 "--resume"))
     # The critic's first mini-batch step sends it to inf: its second mini-batch's values are NaN.
-    with pytest.raises(SystemExit, match="PPO step 0: values contains NaN or inf.*No checkpoint yet"):
+    with pytest.raises(FloatingPointError, match="PPO step 0: critic: gradient norm is nan.*No checkpoint yet"):
         train.main(micro_config(out_dir, "--run-name", "diverged", "--critic-lr", "1e30", "--steps", "1",
                                 "--value-pretrain-steps", "0"))
-    with pytest.raises(FloatingPointError, match="values contains NaN or inf"):  # `error: ...` under __main__
+    with pytest.raises(FloatingPointError, match="value pretraining step 0: critic: gradient norm is nan"):
         train.main(micro_config(out_dir, "--run-name", "diverged-vp", "--critic-lr", "1e30", "--steps", "1"))
 
 
@@ -255,13 +258,13 @@ def test_pi_sft_is_evaluated_once_per_run_directory(out_dir, sft):
 
 
 def test_grpo_needs_two_samples_per_prompt():
-    with pytest.raises(SystemExit, match="--samples-per-prompt"):
+    with pytest.raises(config.ConfigError, match="--samples-per-prompt"):
         config.parse_config(["--estimator", "grpo", "--samples-per-prompt", "1"])
 
 
 @pytest.mark.parametrize("flag", ["--mixed-precision", "--cpu-offload"])
 def test_gpu_only_flags_stop_a_cpu_run_before_any_stage(tmp_path, flag):
-    with pytest.raises(SystemExit, match=f"{flag} needs a GPU"):
+    with pytest.raises(config.ConfigError, match=f"{flag} needs a GPU"):
         train.main(micro_config(tmp_path, flag))
     assert not any(tmp_path.iterdir())  # nothing built, not even pi_SFT
 
@@ -303,11 +306,11 @@ def test_resumed_metrics_log_replaces_the_steps_logged_after_the_checkpoint(tmp_
     step 3 is logged again, and both metrics.jsonl and TensorBoard show it once, with new values."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    killed = rundir.MetricsLog(str(tmp_path), keep_up_to_step=-1, enabled=True)
+    killed = rundir.MetricsLog(str(tmp_path), keep_up_to_step=-1)
     for step in range(4):
         killed.write(step, {"x": step})
     time.sleep(1.1)  # event files are named by the second they were opened
-    resumed = rundir.MetricsLog(str(tmp_path), keep_up_to_step=2, enabled=True)
+    resumed = rundir.MetricsLog(str(tmp_path), keep_up_to_step=2)
     for step in range(3, 5):
         resumed.write(step, {"x": 100 + step})
     expected = [(0, 0), (1, 1), (2, 2), (3, 103), (4, 104)]

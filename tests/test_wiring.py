@@ -2,7 +2,7 @@
 milliseconds: scripted rollouts, a scripted grader and a critic whose values are set by hand, with
 `update_model` replaced by a recorder of what each optimizer step would be given.
 
-Each expected tensor is derived here from its definition (DESIGN.md, PAPER.md, docstrings):
+Each expected tensor is derived here from its definition (README "Tensor layout", docstrings):
 rewards on the last valid token, GAE from the plain reference loop `gae_reference` with the two
 lambdas of decoupled GAE, Monte-Carlo targets of value pretraining, GRPO's group normalisation,
 log-probs from the model's full forward, the clipped value loss of Eq. (2).
@@ -21,8 +21,9 @@ import value_pretrain
 from config import Config
 from gae import gae_reference
 from ppo import response_logprobs
-from reward import GradeResult
 from rollout import RolloutBatch, left_pad
+from sampling import Sampler
+from verifier import GradeResult
 
 # Responses of the scripted rollout (characters of the task's alphabet) and how each one ended.
 # Rows 2k and 2k+1 share a prompt (samples_per_prompt = 2); MAX_NEW_TOKENS-long rows were cut.
@@ -61,12 +62,12 @@ class ScriptedRollout:
 class ScriptedGrader:
     """Returns the given verdicts, whatever the texts."""
 
-    def __init__(self, rewards=GRADES):
-        self.rewards = list(rewards)
+    def __init__(self, outcomes=GRADES):
+        self.outcomes = list(outcomes)
 
     def grade(self, responses, answers):
-        assert len(responses) == len(answers) == len(self.rewards)
-        return GradeResult(rewards=list(self.rewards), num_timeouts=0, num_missing_box=0)
+        assert len(responses) == len(answers) == len(self.outcomes)
+        return GradeResult(outcomes=list(self.outcomes), num_timeouts=0, num_missing_box=0)
 
 
 class TokenValueCritic(torch.nn.Module):
@@ -111,7 +112,7 @@ def expected_scores(grades=GRADES, finish=FINISH, truncation=TRUNCATION):
 
 
 def last_token_rewards(scores, mask):
-    """DESIGN.md: the outcome reward on the last valid token t = L_b - 1, 0 elsewhere."""
+    """The outcome reward on the last valid token t = L_b - 1, 0 elsewhere."""
     rewards = torch.zeros_like(mask)
     for b, length in enumerate(mask.sum(1).long().tolist()):
         rewards[b, length - 1] = scores[b]
@@ -145,9 +146,9 @@ def whiten(x, mask):
 def record_update_model(calls, metrics=None):
     """A stand-in for ppo.update_model that keeps what each model's update would be given."""
 
-    def update_model(cfg, model, optimizer, batch, rows, loss_fn, seed, prefix):
+    def update_model(cfg, model, optimizer, batch, per_token, loss_fn, seed, prefix):
         calls[prefix] = SimpleNamespace(model=model, batch=batch, loss_fn=loss_fn,
-                                        rows={k: v.clone() for k, v in rows.items()})
+                                        per_token={k: v.clone() for k, v in per_token.items()})
         return dict(metrics or {})
 
     return update_model
@@ -158,8 +159,8 @@ def run_ppo_step(cfg, actor, critic, tokenizer, records, monkeypatch):
     monkeypatch.setattr(train, "update_model", record_update_model(calls))
     engine = ScriptedRollout(tokenizer)
     models = {"actor": actor} | ({"critic": critic} if critic is not None else {})
-    metrics = train.ppo_step(cfg, 0, models, {name: None for name in models}, engine, tokenizer, records,
-                             ScriptedGrader(), ref_actor=None)
+    sampler = Sampler(cfg, engine, tokenizer, ScriptedGrader())
+    metrics = train.ppo_step(cfg, 0, sampler, records, models, {name: None for name in models})
     return engine.batch, calls, metrics
 
 
@@ -173,8 +174,8 @@ def test_ppo_step_feeds_decoupled_gae_advantages_to_the_actor_and_lambda_critic_
     critic = TokenValueCritic(len(tokenizer), seed=1)
     batch, calls, metrics = run_ppo_step(cfg, actor, critic, tokenizer, records, monkeypatch)
     mask = batch.response_mask
-    assert set(calls) == {"actor", "critic"} and calls["actor"].rows.keys() == calls["critic"].rows.keys()
-    rows = calls["actor"].rows
+    assert set(calls) == {"actor", "critic"} and calls["actor"].per_token.keys() == calls["critic"].per_token.keys()
+    per_token = calls["actor"].per_token
 
     values = critic_values(critic, batch)
     rewards = last_token_rewards(expected_scores(), mask)
@@ -183,11 +184,11 @@ def test_ppo_step_feeds_decoupled_gae_advantages_to_the_actor_and_lambda_critic_
     # lam_actor and lam_critic give visibly different targets here, so a swap cannot pass.
     assert (gae_reference(rewards, values, mask, cfg.gamma, cfg.lam_actor)[1] - returns).abs().max() > 0.1
 
-    torch.testing.assert_close(rows["old_values"], values)
-    torch.testing.assert_close(rows["returns"], returns, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(rows["advantages"], whiten(advantages, mask), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(per_token["old_values"], values)
+    torch.testing.assert_close(per_token["returns"], returns, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(per_token["advantages"], whiten(advantages, mask), atol=1e-5, rtol=1e-5)
     old_logprobs, _ = full_forward_logprobs(actor, batch, cfg.temperature)
-    torch.testing.assert_close(rows["old_logprobs"], old_logprobs, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(per_token["old_logprobs"], old_logprobs, atol=1e-5, rtol=1e-5)
 
     # advantage/pos_bin{k}: mean advantage over tokens in the k-th quarter of their own response.
     lengths = batch.lengths.tolist()
@@ -208,7 +209,7 @@ def test_ppo_step_without_whitening_passes_the_raw_gae_advantages(tokenizer, act
     mask = batch.response_mask
     advantages, _ = gae_reference(last_token_rewards(expected_scores(), mask), critic_values(critic, batch),
                                   mask, cfg.gamma, cfg.lam_actor)
-    torch.testing.assert_close(calls["actor"].rows["advantages"], advantages, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(calls["actor"].per_token["advantages"], advantages, atol=1e-5, rtol=1e-5)
 
 
 def test_ppo_critic_update_uses_the_value_loss_clipped_around_the_old_values(
@@ -220,16 +221,16 @@ def test_ppo_critic_update_uses_the_value_loss_clipped_around_the_old_values(
     batch, calls, _ = run_ppo_step(cfg, actor, critic, tokenizer, records, monkeypatch)
     update = calls["critic"]
     assert update.model is critic
-    rows, mask = update.rows, batch.response_mask
+    per_token, mask = update.per_token, batch.response_mask
     with torch.no_grad():
         critic.table += 2.0
     values = critic_values(critic, batch)
-    old, target = rows["old_values"], rows["returns"]
+    old, target = per_token["old_values"], per_token["returns"]
     clipped = old + (values - old).clamp(-cfg.value_clip, cfg.value_clip)
-    per_token = 0.5 * torch.maximum((values - target) ** 2, (clipped - target) ** 2)
+    per_token_loss = 0.5 * torch.maximum((values - target) ** 2, (clipped - target) ** 2)
     normalizer = float(mask.sum())
-    loss, _ = update.loss_fn(critic, batch, rows, normalizer, cfg)
-    assert loss.item() == pytest.approx(((per_token * mask).sum() / normalizer).item(), rel=1e-5)
+    loss, _ = update.loss_fn(critic, batch, per_token, normalizer, cfg)
+    assert loss.item() == pytest.approx(((per_token_loss * mask).sum() / normalizer).item(), rel=1e-5)
     unclipped = 0.5 * ((values - target) ** 2 * mask).sum() / normalizer
     assert abs(loss.item() - unclipped.item()) > 0.01  # the clip matters here (tokens moved towards R)
 
@@ -239,7 +240,7 @@ def test_grpo_step_normalises_each_score_within_its_prompt_group(tokenizer, acto
     consecutive responses of one prompt (Bessel std), on every valid token of the response."""
     cfg = make_config(estimator="grpo", whiten_advantages=False)
     batch, calls, metrics = run_ppo_step(cfg, actor, None, tokenizer, records, monkeypatch)
-    assert set(calls) == {"actor"} and "returns" not in calls["actor"].rows
+    assert set(calls) == {"actor"} and "returns" not in calls["actor"].per_token
     scores = expected_scores().tolist()
     expected = torch.zeros_like(batch.response_mask)
     for start in range(0, len(scores), cfg.samples_per_prompt):
@@ -248,7 +249,7 @@ def test_grpo_step_normalises_each_score_within_its_prompt_group(tokenizer, acto
         std = math.sqrt(sum((s - mean) ** 2 for s in group) / (len(group) - 1))
         for b in range(start, start + len(group)):
             expected[b] = (scores[b] - mean) / (std + 1e-6) * batch.response_mask[b]
-    torch.testing.assert_close(calls["actor"].rows["advantages"], expected, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(calls["actor"].per_token["advantages"], expected, atol=1e-4, rtol=1e-5)
     assert not [key for key in metrics if key.startswith("critic/")]
 
 
@@ -270,7 +271,7 @@ def scripted_batch(tokenizer, records):
 
 def test_policy_forward_reads_the_logits_before_each_response_token(actor, scripted_batch):
     """policy_forward keeps only the logits it needs; they must be those at positions
-    P - 1 + t (DESIGN.md), as in a plain forward over the whole sequence; entropy alike."""
+    P - 1 + t (README "Tensor layout"), as in a plain forward over the whole sequence; entropy alike."""
     expected, logits = full_forward_logprobs(actor, scripted_batch, 0.7)
     with torch.no_grad():
         logprobs, entropy = train.policy_forward(actor, scripted_batch, 0.7, with_entropy=True)
@@ -281,13 +282,13 @@ def test_policy_forward_reads_the_logits_before_each_response_token(actor, scrip
 
 
 def test_actor_loss_ratio_is_taken_against_the_old_logprobs(actor, scripted_batch):
-    """rho = pi / pi_old with pi_old from rows["old_logprobs"]: a policy that moved up by e^0.5 on
+    """rho = pi / pi_old with pi_old from per_token["old_logprobs"]: a policy that moved up by e^0.5 on
     every token, with A = +1, is clipped at 1 + eps_high on all of them."""
     cfg = actor_config()
     now, _ = full_forward_logprobs(actor, scripted_batch, cfg.temperature)
     mask = scripted_batch.response_mask
-    rows = {"old_logprobs": (now - 0.5) * mask, "advantages": mask.clone()}
-    loss, metrics = train.actor_loss(actor, scripted_batch, rows, float(mask.sum()), cfg)
+    per_token = {"old_logprobs": (now - 0.5) * mask, "advantages": mask.clone()}
+    loss, metrics = train.actor_loss(actor, scripted_batch, per_token, float(mask.sum()), cfg)
     assert loss.item() == pytest.approx(-(1 + cfg.clip_high), rel=1e-5)
     assert metrics["pg_clipfrac_high"].item() == 1.0
 
@@ -299,19 +300,19 @@ def test_entropy_bonus_lowers_and_kl_penalty_raises_the_actor_loss(actor, script
     mask = scripted_batch.response_mask
     tokens = float(mask.sum())
     gen = torch.Generator().manual_seed(0)
-    rows = {"old_logprobs": now, "advantages": torch.randn(mask.shape, generator=gen) * mask,
+    per_token = {"old_logprobs": now, "advantages": torch.randn(mask.shape, generator=gen) * mask,
             "ref_logprobs": (now + 0.3 * torch.randn(mask.shape, generator=gen)) * mask}
-    base, _ = train.actor_loss(actor, scripted_batch, rows, tokens, actor_config())
+    base, _ = train.actor_loss(actor, scripted_batch, per_token, tokens, actor_config())
 
     p = torch.softmax(logits / 0.7, -1)
     mean_entropy = (-(p * p.log()).sum(-1) * mask).sum() / tokens
-    with_entropy, _ = train.actor_loss(actor, scripted_batch, rows, tokens, actor_config(entropy_coef=0.1))
+    with_entropy, _ = train.actor_loss(actor, scripted_batch, per_token, tokens, actor_config(entropy_coef=0.1))
     assert with_entropy.item() == pytest.approx(base.item() - 0.1 * mean_entropy.item(), abs=1e-5)
 
-    log_r = rows["ref_logprobs"] - now
+    log_r = per_token["ref_logprobs"] - now
     mean_k3 = ((log_r.exp() - 1 - log_r) * mask).sum() / tokens
     assert mean_k3 > 0.01
-    with_kl, metrics = train.actor_loss(actor, scripted_batch, rows, tokens, actor_config(kl_coef=0.1))
+    with_kl, metrics = train.actor_loss(actor, scripted_batch, per_token, tokens, actor_config(kl_coef=0.1))
     assert with_kl.item() == pytest.approx(base.item() + 0.1 * mean_k3.item(), abs=1e-5)
     assert metrics["kl"].item() == pytest.approx(mean_k3.item(), rel=1e-4)
 
@@ -330,8 +331,8 @@ def test_value_pretraining_regresses_unclipped_on_discounted_monte_carlo_returns
     monkeypatch.setattr(value_pretrain, "update_model", record_update_model(calls, {"critic/vf_loss": 0.0}))
     monkeypatch.setattr(value_pretrain, "export_hf_checkpoint", lambda *args, **kwargs: None)
     engine = ScriptedRollout(tokenizer)
-    history = value_pretrain.pretrain_value(cfg, critic, None, engine, tokenizer, records, ScriptedGrader(),
-                                            str(tmp_path))
+    history = value_pretrain.pretrain_value(cfg, critic, None, Sampler(cfg, engine, tokenizer, ScriptedGrader()),
+                                            records, str(tmp_path))
     batch, update = engine.batch, calls["critic"]
     mask, scores = batch.response_mask, expected_scores()
     returns = torch.zeros_like(mask)
@@ -339,8 +340,8 @@ def test_value_pretraining_regresses_unclipped_on_discounted_monte_carlo_returns
         for t in range(length):
             returns[b, t] = cfg.gamma ** (length - 1 - t) * scores[b]
     values = critic_values(critic, batch)
-    torch.testing.assert_close(update.rows["returns"], returns, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(update.rows["old_values"], values)
+    torch.testing.assert_close(update.per_token["returns"], returns, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(update.per_token["old_values"], values)
 
     valid = mask.bool()
     explained = 1 - (returns - values)[valid].var(unbiased=False) / returns[valid].var(unbiased=False)
@@ -350,7 +351,7 @@ def test_value_pretraining_regresses_unclipped_on_discounted_monte_carlo_returns
         critic.table += 2.0  # far from the old values: a clip of any usual size would bite
     moved = critic_values(critic, batch)
     tokens = float(mask.sum())
-    loss, _ = update.loss_fn(critic, batch, update.rows, tokens, cfg)
+    loss, _ = update.loss_fn(critic, batch, update.per_token, tokens, cfg)
     assert loss.item() == pytest.approx((0.5 * (moved - returns)[valid] ** 2).sum().item() / tokens, rel=1e-5)
 
 

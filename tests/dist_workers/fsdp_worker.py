@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 from common import tiny_actor, write_result
 from critic import load_value_model
 from fsdp_utils import (all_reduce, close_distributed, exit_now_if_gloo, export_hf_checkpoint, init_distributed,
-                        iter_full_weights, load_checkpoint, reduce_metrics, save_checkpoint, shard_model)
+                        is_main, iter_full_weights, load_checkpoint, reduce_metrics, save_checkpoint, shard_model)
 from ppo import masked_whiten
 from rollout import HFRollout
 
@@ -34,7 +34,7 @@ ids = torch.randint(3, len(tokenizer), (4, 12), generator=g)
 mask = (torch.arange(12) < lengths[:, None]).long()
 targets = torch.randn(4, 12, generator=g)
 sft_path = os.path.join(out_dir, "sft")
-if info.is_main:
+if is_main():
     tiny_actor(seed=0)[1].save_pretrained(sft_path)
 torch.distributed.barrier()
 
@@ -137,7 +137,7 @@ result["resume"]["next_step_max_diff"] = max_diff(full_state(resumed), full_stat
 export = os.path.join(out_dir, "hf_export")
 expected = full_state(model)
 export_hf_checkpoint(model, tokenizer, export, shard_bytes=1 << 20)
-if info.is_main:
+if is_main():
     loaded = AutoModelForCausalLM.from_pretrained(export)
     result["export"] = {
         "files": sorted(os.listdir(export)),

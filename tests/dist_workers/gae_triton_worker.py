@@ -11,12 +11,13 @@ os.environ["TRITON_INTERPRET"] = "1"  # before Triton builds the kernel
 import torch  # noqa: E402
 
 import gae  # noqa: E402
+import gae_fast  # noqa: E402
 from common import write_result  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from test_gae import make_batch  # noqa: E402
 
-kernel = gae._triton_kernel()
+kernel = gae_fast.triton_kernel()
 kernel.BLOCK = 16  # a few dozen tokens then cross blocks (the interpreter is slow)
 result = {"equal": {}, "rejected": {}}
 for length in (1, 16, 37):
@@ -38,7 +39,7 @@ for name, (v, m) in {"good": (values, mask), "nan": (nan, mask), "hole": (values
     result["rejected"][name] = kernel.lambda_returns(rewards, v, m, 1.0, 0.9, 1.0) is None
 
 # gae.py's dispatch, CPU tensors standing in for CUDA ones
-gae._kernel_applies, gae._compiled_loop_applies = gae._compiled_loop_applies, lambda *tensors: False
+gae_fast.kernel_applies, gae_fast.compiled_loop_applies = gae_fast.compiled_loop_applies, lambda *tensors: False
 calls = []
 launch = kernel.lambda_returns
 kernel.lambda_returns = lambda *args: calls.append(1) or launch(*args)

@@ -1,0 +1,63 @@
+"""Sample and score (Algorithm 1: "collect trajectories", "compute rewards"): the one path from
+prompts to graded responses, used by PPO, value pretraining, the outcome reward model's data,
+evaluation and the analyses.
+
+    sampler = Sampler(cfg, engine, tokenizer, grader)
+    scored = sampler.sample_and_score(prompts, seed)     # a ScoredBatch
+
+The outcome of a response is +1 (its final answer verifies) or -1 (`verifier`); a response cut at
+max_new_tokens gets `cfg.truncation_reward` instead, when that is set. The only reward is terminal:
+`token_rewards[b, t]` holds the outcome on response b's last token t = L_b - 1 and 0 elsewhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from rollout import RolloutBatch, decode_responses
+from verifier import Grader
+
+
+@dataclasses.dataclass
+class ScoredBatch:
+    batch: RolloutBatch  # the sampled responses ([B, T] tensors, README "Tensor layout")
+    texts: list[str]  # decoded responses (the text the verifier graded)
+    outcomes: torch.Tensor  # [B] float32: +1 / -1, or the truncation reward of a cut response
+    token_rewards: torch.Tensor  # [B, T]: the outcome on each response's last token, 0 elsewhere
+    grader_timeouts: int  # responses whose grading timed out (scored -1)
+    missing_box: int  # responses without a final boxed answer (scored -1)
+    seconds: dict  # {"rollout": generation time, "reward": decoding and grading time}
+
+
+@dataclasses.dataclass
+class Sampler:
+    """What turns prompts into scored responses: the rollout engine (`rollout.py`), the tokenizer that
+    decodes its responses, the grader, and the run's sampling settings (max_new_tokens, temperature,
+    top_p, truncation_reward of `config.Config`)."""
+
+    cfg: object
+    engine: object
+    tokenizer: object
+    grader: Grader
+
+    def sample_and_score(self, prompts: list[dict], seed: int) -> ScoredBatch:
+        """One response per prompt record (`prompt_ids`, `answer`), sampled with `seed`, and graded."""
+        cfg, start = self.cfg, time.perf_counter()
+        batch = self.engine.generate([p["prompt_ids"] for p in prompts], cfg.max_new_tokens, cfg.temperature,
+                                     cfg.top_p, seed=seed)
+        generated = time.perf_counter()
+        texts = decode_responses(self.tokenizer, batch)
+        graded = self.grader.grade(texts, [p["answer"] for p in prompts])
+        device = batch.device  # the engine's batch is on its models' device: so is all built from it
+        outcomes = torch.tensor(graded.outcomes, dtype=torch.float32, device=device)
+        if cfg.truncation_reward is not None:
+            truncated = torch.tensor([f == "length" for f in batch.finish_reasons], device=device)
+            outcomes = torch.where(truncated, float(cfg.truncation_reward), outcomes)
+        token_rewards = torch.zeros_like(batch.response_mask)
+        token_rewards[torch.arange(len(batch), device=device), batch.lengths - 1] = outcomes
+        seconds = {"rollout": generated - start, "reward": time.perf_counter() - generated}
+        return ScoredBatch(batch, texts, outcomes, token_rewards, graded.num_timeouts, graded.num_missing_box,
+                           seconds)

@@ -1,0 +1,168 @@
+"""critic.py's outcome reward model (training, scoring) and sampling.py's outcomes on the last token."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from critic import orm_scores, train_orm
+from sampling import Sampler
+from verifier import GradeResult
+
+# --- outcome reward model --------------------------------------------------------------------
+
+MARK = 7  # the label is +1 iff this token occurs in the response
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models run ~10x faster on one thread when the two cores are shared (measured)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _tiny_value_model(tmp_path):
+    """A random 2-layer Qwen2 (hidden 128, head_dim 64) saved as a causal LM, loaded with a new head."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from critic import load_value_model
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=32, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                         tie_word_embeddings=True, pad_token_id=0, eos_token_id=1)
+    Qwen2ForCausalLM(config).save_pretrained(tmp_path / "lm")
+    return load_value_model(str(tmp_path / "lm"), head_init_std=0.02)
+
+
+def _synthetic_batch(seed: int, batch_size: int = 16):
+    """Left-padded prompts, right-padded responses ending in EOS; label +1 iff MARK occurs."""
+    from rollout import RolloutBatch, left_pad
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(8, 32, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(batch_size)]
+    prompt_ids, prompt_mask = left_pad(prompts, pad_id=0)
+    lengths = torch.randint(3, 10, (batch_size,), generator=g)
+    T = int(lengths.max())
+    response = torch.randint(8, 32, (batch_size, T), generator=g)
+    has_mark = torch.arange(batch_size) % 2 == 0
+    for b in range(batch_size):
+        if has_mark[b]:
+            response[b, int(torch.randint(0, int(lengths[b]) - 1, (1,), generator=g))] = MARK
+        response[b, int(lengths[b]) - 1] = 1  # EOS
+    mask = (torch.arange(T)[None] < lengths[:, None]).float()
+    batch = RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask,
+                         response_ids=response.masked_fill(mask == 0, 0), response_mask=mask,
+                         logprobs=torch.zeros(batch_size, T), finish_reasons=["stop"] * batch_size)
+    return batch, has_mark.float() * 2 - 1
+
+
+def test_orm_loss_falls_and_save_load_round_trips(tmp_path, one_thread):
+    from critic import load_value_model
+
+    torch.manual_seed(0)
+    model = _tiny_value_model(tmp_path)
+    data = [_synthetic_batch(seed, batch_size=8) for seed in range(4)]
+    history = train_orm(model, [b for b, _ in data], [y for _, y in data], steps=40, lr=2e-3)
+    first = sum(h["orm/loss"] for h in history[:8]) / 8
+    last = sum(h["orm/loss"] for h in history[-8:]) / 8
+    assert last < 0.5 * first, (first, last)
+    held_out, labels = _synthetic_batch(seed=99)
+    scores = orm_scores(model, held_out)
+    assert (torch.sign(scores) == labels).float().mean() >= 0.75
+    model.save_pretrained(tmp_path / "orm")
+    reloaded = load_value_model(str(tmp_path / "orm"))
+    torch.testing.assert_close(orm_scores(reloaded, held_out), scores)
+
+
+def test_orm_score_reads_the_last_response_token_only(tmp_path, one_thread):
+    from critic import value_outputs
+
+    model = _tiny_value_model(tmp_path)
+    batch, _ = _synthetic_batch(seed=3, batch_size=4)
+    scores = orm_scores(model, batch)
+    with torch.no_grad():
+        outputs = value_outputs(model, **batch.model_inputs())
+    P = batch.prompt_ids.shape[1]
+    expected = torch.stack([outputs[b, P + int(batch.lengths[b]) - 1] for b in range(len(batch))])
+    torch.testing.assert_close(scores, expected)
+    # Extra right padding (a wider batch) leaves every score unchanged.
+    pad = torch.zeros(len(batch), 3)
+    wider = type(batch)(batch.prompt_ids, batch.prompt_mask,
+                        torch.cat([batch.response_ids, pad.long()], 1), torch.cat([batch.response_mask, pad], 1),
+                        torch.cat([batch.logprobs, pad], 1), batch.finish_reasons)
+    torch.testing.assert_close(orm_scores(model, wider), scores, atol=1e-5, rtol=1e-5)
+
+
+def test_train_orm_rejects_mismatched_outcomes(tmp_path, one_thread):
+    model = _tiny_value_model(tmp_path)
+    batch, outcomes = _synthetic_batch(seed=0, batch_size=4)
+    with pytest.raises(ValueError, match="outcomes"):
+        train_orm(model, [batch], [outcomes[:3]], steps=1, lr=1e-3)
+    with pytest.raises(ValueError, match="outcome tensors"):
+        train_orm(model, [batch, batch], [outcomes], steps=1, lr=1e-3)
+
+
+class FixedGrader:
+    """Returns the given outcomes whatever the texts."""
+
+    def __init__(self, outcomes):
+        self.outcomes = outcomes
+
+    def grade(self, responses, answers):
+        assert len(responses) == len(answers) == len(self.outcomes)
+        return GradeResult(outcomes=list(self.outcomes), num_timeouts=2, num_missing_box=1)
+
+
+class FixedRollout:
+    """A rollout engine that returns the given batch whatever the prompts."""
+
+    def __init__(self, batch):
+        self.batch = batch
+
+    def generate(self, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, seed=None):
+        assert len(prompt_ids) == len(self.batch)
+        return self.batch
+
+
+class DigitTokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+@pytest.mark.parametrize("truncation_reward", [-0.5, None])
+def test_sample_and_score_puts_the_outcome_on_the_last_valid_token_and_scores_cut_responses(truncation_reward):
+    """The outcome reward sits on token L_b - 1 and nowhere else; a response cut at max_new_tokens
+    (finish "length") scores cfg.truncation_reward when it is set, its grade if not."""
+    batch, _ = _synthetic_batch(seed=5, batch_size=4)
+    batch.finish_reasons = ["stop", "length", "stop", "length"]
+    grades = [1.0, 1.0, -1.0, -1.0]
+    cfg = SimpleNamespace(truncation_reward=truncation_reward, max_new_tokens=8, temperature=1.0, top_p=1.0)
+    sampler = Sampler(cfg, FixedRollout(batch), DigitTokenizer(), FixedGrader(grades))
+    scored = sampler.sample_and_score([{"prompt_ids": [3], "answer": "1"}] * 4, seed=0)
+    cut = -0.5 if truncation_reward is not None else None
+    expected = [g if f == "stop" or cut is None else cut for g, f in zip(grades, batch.finish_reasons)]
+    assert scored.outcomes.tolist() == expected
+    assert scored.token_rewards.shape == batch.response_mask.shape
+    for b, length in enumerate(batch.lengths.tolist()):
+        assert length > 1
+        assert scored.token_rewards[b, length - 1].item() == expected[b]
+        assert (scored.token_rewards[b, : length - 1] == 0).all() and (scored.token_rewards[b, length:] == 0).all()
+    assert (scored.grader_timeouts, scored.missing_box) == (2, 1)
+    assert scored.texts[0] == " ".join(map(str, batch.response_ids[0, : batch.lengths[0]].tolist()))
+
+
+def test_orm_sign_accuracy_is_the_share_of_scores_with_the_label_sign(tmp_path, one_thread):
+    """train_orm's orm/sign_accuracy at a step: the share of rows whose score (before that step's
+    update) has the sign of the label. Labels agree with the initial scores on 3 rows of 4."""
+    model = _tiny_value_model(tmp_path)
+    batch, _ = _synthetic_batch(seed=2, batch_size=4)
+    signs = torch.sign(orm_scores(model, batch))
+    assert (signs != 0).all()
+    labels = signs.clone()
+    labels[0] = -labels[0]
+    history = train_orm(model, [batch], [labels], steps=1, lr=1e-3)
+    assert history[0]["orm/sign_accuracy"] == pytest.approx(0.75)

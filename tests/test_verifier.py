@@ -1,0 +1,148 @@
+"""verifier.py: verdicts on Math-Verify's own cases, the grader pool and its timeout."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import verifier
+from verifier import Grader, last_boxed, rule_reward
+
+# Shipped with the tests (its README: source and license). Read at import: a missing file fails
+# the collection of this module instead of skipping its tests.
+CASES_FILE = Path(__file__).parent / "data" / "verifier_cases" / "math_verify_cases.jsonl"
+CASES = [json.loads(line) for line in CASES_FILE.read_text().splitlines()]
+HANG = "\\boxed{9^{9^{9^{9}}}}"  # real math-verify hang: sympy evaluates the power tower in C
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{i}-{c['kind']}" for i, c in enumerate(CASES)])
+def test_rule_reward_agrees_with_math_verify_suite(case):
+    # The README's framing: the gold is wrapped as `$...$`; rule_reward does that itself.
+    assert rule_reward(case["response"], case["gold"]) == (1.0 if case["equal"] else -1.0)
+
+
+@pytest.mark.parametrize("response, gold", [
+    ("so $\\boxed{\\frac{1}{2}}$", "0.5"),
+    ("\\boxed{\\dfrac{3}{4}}", "3/4"),
+    ("\\boxed{1,234,567}", "1234567"),
+    ("\\boxed{ 2 \\sqrt{ 2 } }", "\\sqrt{8}"),
+    ("\\boxed{x=3}", "3"),
+])
+def test_equivalent_forms_score_plus_one(response, gold):
+    assert rule_reward(response, gold) == 1.0
+
+
+def test_last_box_wins_over_earlier_boxes():
+    assert rule_reward("first \\boxed{3}, no wait: \\boxed{4}", "4") == 1.0
+    assert rule_reward("first \\boxed{4}, no wait: \\boxed{3}", "4") == -1.0
+
+
+def test_box_in_prompt_only_is_not_scored():
+    prompt = "Example: 2+2 = \\boxed{4}. Now compute 2+2."
+    response = "The answer is 4."
+    assert rule_reward(response, "4") == -1.0  # callers pass the response alone
+    assert rule_reward(prompt + response, "4") == 1.0  # the reason they must
+
+
+def test_missing_unclosed_or_empty_box_scores_minus_one():
+    assert rule_reward("the answer is 4", "4") == -1.0
+    assert rule_reward("\\boxed{4} then truncated \\boxed{4", "4") == -1.0
+    assert rule_reward("\\boxed{}", "4") == -1.0
+
+
+def test_nested_braces_and_fbox_are_extracted():
+    assert last_boxed("x \\boxed{\\frac{1}{\\sqrt{2}}} y") == "\\frac{1}{\\sqrt{2}}"
+    assert last_boxed("\\boxed{\\{1, 2\\}}") == "\\{1, 2\\}"
+    assert last_boxed("\\boxed{a \\\\}") == "a \\\\"  # a line break \\ before the closing brace
+    assert last_boxed("\\boxed{\\\\{x}}") == "\\\\{x}"  # \\ then a group, not \\{
+    assert last_boxed("\\boxed{1} and \\fbox{2}") == "2"
+    assert rule_reward("\\fbox{\\frac{1}{\\sqrt{2}}}", "\\frac{\\sqrt{2}}{2}") == 1.0
+
+
+def test_escaped_braces_inside_a_box_are_literal_not_grouping():
+    """`\\{` and `\\}` are set braces: they neither open nor close the box's group."""
+    assert last_boxed("\\boxed{\\left\\{ x > 0 \\right.} done") == "\\left\\{ x > 0 \\right."
+    assert last_boxed("so \\boxed{\\}}") == "\\}"
+
+
+def test_boxed_ground_truth_is_unwrapped():
+    assert rule_reward("\\boxed{0.25}", "$\\boxed{\\frac14}$") == 1.0
+
+
+def test_fast_path_decides_without_math_verify(monkeypatch):
+    def fail(*_):
+        raise AssertionError("math-verify called")
+
+    monkeypatch.setattr(verifier, "_math_equal", fail)
+    assert rule_reward("\\boxed{ 1 2 3 }", "1 2   3") == 1.0
+    assert rule_reward("\\boxed{0042}", "42") == 1.0
+    assert rule_reward("\\boxed{-41}", "42") == -1.0
+
+
+def test_rule_reward_never_raises_on_garbage():
+    for response in [None, 12, "\\boxed{\\frac{", "\\boxed{" + "{" * 5000, "\\boxed{\\begin{x}}", "\\boxed{)(}"]:
+        assert rule_reward(response, "1") == -1.0
+    assert rule_reward("\\boxed{1}", None) == -1.0
+
+
+def test_grader_rejects_mismatched_lengths_and_bad_settings():
+    with pytest.raises(ValueError):
+        Grader(num_workers=0)
+    with Grader(num_workers=1) as grader:
+        with pytest.raises(ValueError):
+            grader.grade(["\\boxed{1}"], [])
+
+
+@pytest.mark.slow
+def test_grader_agrees_with_suite_and_reuses_its_workers():
+    cases = CASES[::4]  # every kind of answer is checked in-process above; this checks the pool
+    responses = [c["response"] for c in cases] + ["no box here"]
+    golds = [c["gold"] for c in cases] + ["1"]
+    with Grader(num_workers=2, timeout_s=10.0) as grader:
+        pids = [w.proc.pid for w in grader.workers]
+        first = grader.grade(responses, golds)
+        second = grader.grade(responses[:10][::-1], golds[:10][::-1])
+        assert [w.proc.pid for w in grader.workers] == pids  # no restart between calls
+    assert first.outcomes == [1.0 if c["equal"] else -1.0 for c in cases] + [-1.0]
+    assert second.outcomes == first.outcomes[:10][::-1]
+    assert first.num_missing_box == 1 and first.num_timeouts == 0
+
+
+@pytest.mark.slow
+def test_hanging_item_is_killed_scored_minus_one_and_worker_replaced():
+    timeout_s = 1.0
+    with Grader(num_workers=2, timeout_s=timeout_s) as grader:
+        grader.grade(["\\boxed{0.5}"] * 4, ["1/2"] * 4)  # workers up
+        responses = ["\\boxed{\\frac{1}{3}}", HANG, "\\boxed{0.75}", "\\boxed{2}"] * 3
+        golds = ["0.3333333", "5", "3/4", "\\sqrt{4}"] * 3
+        t0 = time.monotonic()
+        result = grader.grade(responses, golds)
+        elapsed = time.monotonic() - t0
+        assert result.num_timeouts == 3
+        assert result.outcomes == [1.0, -1.0, 1.0, 1.0] * 3
+        # Each hang costs ~timeout_s plus a replacement's start-up (1-3 s on 2 busy cores); without
+        # the kill the power tower would never finish.
+        assert elapsed < 3 * timeout_s + 12.0
+        again = grader.grade(["\\boxed{\\frac{2}{4}}"], ["0.5"])  # the pool still works
+        assert again.outcomes == [1.0] and again.num_timeouts == 0
+
+
+@pytest.mark.slow
+def test_grader_workers_do_not_load_torch():
+    with Grader(num_workers=1) as grader:
+        grader.grade(["\\boxed{0.5}"], ["1/2"])  # the worker has run verifier.py and graded
+        maps = Path(f"/proc/{grader.workers[0].proc.pid}/maps")
+        if not maps.exists():
+            pytest.skip("needs /proc")
+        assert "libtorch" not in maps.read_text()
+    out = subprocess.run([sys.executable, "-c", "import verifier, sys; print('torch' in sys.modules)"],
+                         cwd=os.path.dirname(verifier.__file__), capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_the_math_verify_cases_are_all_there():
+    assert len(CASES) == 80 and all({"gold", "response", "equal"} <= set(c) for c in CASES)
