@@ -177,69 +177,79 @@ class Config:
     """torch.compile each decoder layer of actor and critic (meant for GPUs; a CPU needs a C++ compiler)"""
 
     def validate(self, world_size: int = 1) -> None:
-        """Fail at start, naming the field. Under torchrun every rank must get the same number of
-        rows and of equal mini-batches: ranks running different numbers of micro-batches would
-        call FSDP's collectives out of step (a crash on gloo, a hang on NCCL)."""
+        """Fail at start, naming every bad field and the values it may take. Under torchrun every
+        rank must get the same number of rows and of equal mini-batches: ranks running different
+        numbers of micro-batches would call FSDP's collectives out of step (a crash on gloo, a hang
+        on NCCL)."""
         rows_per_rank = self.prompts_per_step // world_size * self.samples_per_prompt
-        positive = lambda x: math.isfinite(x) and x > 0  # noqa: E731 (rejects NaN and inf)
-        checks = {
-            "lam_actor": 0.0 <= self.lam_actor <= 1.0,
-            "lam_critic": 0.0 <= self.lam_critic <= 1.0,
-            "gamma": 0.0 <= self.gamma <= 1.0,
-            "length_adaptive_alpha": self.length_adaptive_alpha is None or self.length_adaptive_alpha > 0,
-            "steps": self.steps >= 0,
-            "value_pretrain_steps": self.value_pretrain_steps >= 0,
-            "prompts_per_step": self.prompts_per_step >= 1 and self.prompts_per_step % world_size == 0,
-            "samples_per_prompt": self.samples_per_prompt >= (2 if self.estimator == "grpo" else 1),
-            "ppo_epochs": self.ppo_epochs >= 1,
-            "num_minibatches": 1 <= self.num_minibatches and rows_per_rank % self.num_minibatches == 0,
-            "micro_batch_size": self.micro_batch_size >= 1,
-            "micro_batch_tokens": self.micro_batch_tokens is None or self.micro_batch_tokens >= 1,
-            "logprob_chunk_tokens": self.logprob_chunk_tokens is None or self.logprob_chunk_tokens >= 1,
-            "checkpoint_fraction": 0.0 < self.checkpoint_fraction <= 1.0,
-            "actor_lr": positive(self.actor_lr),
-            "critic_lr": positive(self.critic_lr),
-            "orm_lr": positive(self.orm_lr),
-            "lr_warmup_steps": self.lr_warmup_steps >= 0,
-            "clip_low": 0.0 <= self.clip_low < 1.0,
-            "clip_high": self.clip_high >= 0.0,
-            "dual_clip": self.dual_clip is None or self.dual_clip > 1.0,
-            "value_clip": self.value_clip is None or self.value_clip > 0,
-            "max_grad_norm": self.max_grad_norm > 0,
-            "kl_coef": self.kl_coef >= 0,
-            "entropy_coef": self.entropy_coef >= 0,
-            "max_new_tokens": self.max_new_tokens >= 1,
-            "temperature": self.temperature > 0,
-            "top_p": 0.0 < self.top_p <= 1.0,
-            "data": self.data is None or (self.model is not None and os.path.isfile(self.data)),
-            "max_prompt_tokens": self.max_prompt_tokens >= 1,
-            "task_train_size": self.task_train_size >= 1,
-            "task_eval_size": self.task_eval_size >= 1,
-            "tensor_parallel_size": self.tensor_parallel_size >= 1 and world_size % self.tensor_parallel_size == 0,
-            "gpu_memory_utilization": 0.0 < self.gpu_memory_utilization <= 1.0,
-            "orm_batches": self.orm_batches >= 1,
-            "orm_steps": self.orm_steps >= 1,
-            "plateau_window": self.plateau_window >= 1,
-            "grader_workers": self.grader_workers >= 1,
-            "eval_samples": self.eval_samples >= 1,
-            "eval_fraction": 0.0 < self.eval_fraction < 1.0,
-            "save_every": self.save_every >= 1,
-            "threads": self.threads >= 1,
-            "sft_steps": self.sft_steps is None or self.sft_steps >= 1,
-            "grader_timeout_s": self.grader_timeout_s > 0,
+        checks = {  # field: (valid, what valid is)
+            "lam_actor": (0.0 <= self.lam_actor <= 1.0, "in [0, 1]"),
+            "lam_critic": (0.0 <= self.lam_critic <= 1.0, "in [0, 1]"),
+            "gamma": (0.0 <= self.gamma <= 1.0, "in [0, 1]"),
+            "length_adaptive_alpha": (self.length_adaptive_alpha is None or self.length_adaptive_alpha > 0,
+                                      "> 0, or unset"),
+            "steps": (self.steps >= 0, ">= 0"),
+            "value_pretrain_steps": (self.value_pretrain_steps >= 0, ">= 0"),
+            "prompts_per_step": (self.prompts_per_step >= 1 and self.prompts_per_step % world_size == 0,
+                                 f">= 1 and a multiple of the world size, {world_size}"),
+            "samples_per_prompt": (self.samples_per_prompt >= (2 if self.estimator == "grpo" else 1),
+                                   ">= 2 with --estimator grpo" if self.estimator == "grpo" else ">= 1"),
+            "ppo_epochs": (self.ppo_epochs >= 1, ">= 1"),
+            "num_minibatches": (1 <= self.num_minibatches and rows_per_rank % self.num_minibatches == 0,
+                                f">= 1 and divide the {rows_per_rank} rows each rank gets a step"),
+            "micro_batch_size": (self.micro_batch_size >= 1, ">= 1"),
+            "micro_batch_tokens": (self.micro_batch_tokens is None or self.micro_batch_tokens >= 1, ">= 1, or unset"),
+            "logprob_chunk_tokens": (self.logprob_chunk_tokens is None or self.logprob_chunk_tokens >= 1,
+                                     ">= 1, or unset"),
+            "checkpoint_fraction": (0.0 < self.checkpoint_fraction <= 1.0, "in (0, 1]"),
+            "actor_lr": (self.actor_lr > 0, "> 0"),
+            "critic_lr": (self.critic_lr > 0, "> 0"),
+            "orm_lr": (self.orm_lr > 0, "> 0"),
+            "lr_warmup_steps": (self.lr_warmup_steps >= 0, ">= 0"),
+            "clip_low": (0.0 <= self.clip_low < 1.0, "in [0, 1)"),
+            "clip_high": (self.clip_high >= 0.0, ">= 0"),
+            "dual_clip": (self.dual_clip is None or self.dual_clip > 1.0, "> 1, or unset"),
+            "value_clip": (self.value_clip is None or self.value_clip > 0, "> 0, or unset"),
+            "max_grad_norm": (self.max_grad_norm > 0, "> 0"),
+            "kl_coef": (self.kl_coef >= 0, ">= 0"),
+            "entropy_coef": (self.entropy_coef >= 0, ">= 0"),
+            "max_new_tokens": (self.max_new_tokens >= 1, ">= 1"),
+            "temperature": (self.temperature > 0, "> 0"),
+            "top_p": (0.0 < self.top_p <= 1.0, "in (0, 1]"),
+            "data": (self.data is None or (self.model is not None and os.path.isfile(self.data)),
+                     "an existing file, with --model: the built-in pi_SFT knows only the built-in task"),
+            "max_prompt_tokens": (self.max_prompt_tokens >= 1, ">= 1"),
+            "task_train_size": (self.task_train_size >= 1, ">= 1"),
+            "task_eval_size": (self.task_eval_size >= 1, ">= 1"),
+            "tensor_parallel_size": (self.tensor_parallel_size >= 1 and world_size % self.tensor_parallel_size == 0,
+                                     f">= 1 and divide the world size, {world_size}; run under torchrun"),
+            "gpu_memory_utilization": (0.0 < self.gpu_memory_utilization <= 1.0, "in (0, 1]"),
+            "orm_batches": (self.orm_batches >= 1, ">= 1"),
+            "orm_steps": (self.orm_steps >= 1, ">= 1"),
+            "plateau_window": (self.plateau_window >= 1, ">= 1"),
+            "plateau_rel_tol": (self.plateau_rel_tol >= 0, ">= 0"),
+            "grader_workers": (self.grader_workers >= 1, ">= 1"),
+            "grader_timeout_s": (self.grader_timeout_s > 0, "> 0"),
+            "eval_samples": (self.eval_samples >= 1, ">= 1"),
+            "eval_fraction": (0.0 < self.eval_fraction < 1.0, "in (0, 1)"),
+            "save_every": (self.save_every >= 1, ">= 1"),
+            "threads": (self.threads >= 1, ">= 1"),
+            "sft_steps": (self.sft_steps is None or self.sft_steps >= 1, ">= 1, or unset"),
             # A directory of its own under out_dir; _shared holds the caches (pi_SFT, ORM).
-            "run_name": self.run_name is None or (self.run_name not in ("", ".", "..", "_shared")
-                                                  and os.sep not in self.run_name),
+            "run_name": (self.run_name is None or (self.run_name not in ("", ".", "..", "_shared")
+                                                   and os.sep not in self.run_name),
+                         "a plain directory name, not '', '.', '..' or '_shared'"),
         }
-        bad = [name for name, ok in checks.items() if not ok]
+        bad = []
+        for field in dataclasses.fields(self):  # in flag order
+            value = getattr(self, field.name)
+            ok, need = checks.get(field.name, (True, ""))
+            if isinstance(value, float) and not math.isfinite(value):  # NaN and inf, in every float flag
+                ok, need = False, "finite" + (f" and {need}" if need else "")
+            if not ok:
+                bad.append(f"--{field.name.replace('_', '-')} = {value!r} (must be {need})")
         if bad:
-            name = bad[0]
-            hint = {"prompts_per_step": f" (must be a multiple of the world size, {world_size})",
-                    "num_minibatches": f" (must divide the {rows_per_rank} rows each rank gets a step)",
-                    "tensor_parallel_size": f" (must divide the world size, {world_size}; run under torchrun)",
-                    "data": " (no such file, or no --model: the built-in pi_SFT knows only the built-in task)"}
-            raise ConfigError(f"invalid config: --{name.replace('_', '-')} = {getattr(self, name)!r}"
-                             f"{hint.get(name, '')}")
+            raise ConfigError("invalid config: " + "; ".join(bad))
 
 
 PRESETS = {
@@ -260,14 +270,14 @@ PRESETS = {
 def check_settings(where: str, stored: dict, wanted: dict, ignore=(), remedy: str = "delete it") -> None:
     """ConfigError when something saved on disk (a run directory, a cached model) was made with other
     settings than `wanted`: reusing it would silently mix two experiments. Keys in `ignore` may
-    differ; out_dir compares as a path."""
+    differ; out_dir compares as a path. The message names every difference, as a flag."""
     same_dir = lambda a, b: isinstance(a, str) and os.path.realpath(a) == os.path.realpath(b)  # noqa: E731
     diff = sorted(k for k, v in wanted.items() if k not in ignore
                   and not (stored.get(k) == v or k == "out_dir" and same_dir(stored.get(k), v)))
     if diff:
-        shown = ", ".join(f"{k} {stored.get(k)!r} -> {wanted[k]!r}" for k in diff[:4])
-        more = ", ..." if len(diff) > 4 else ""
-        raise ConfigError(f"{where} was made with other settings ({shown}{more}); {remedy}")
+        shown = ", ".join(f"--{k.replace('_', '-')} {stored[k]!r} -> {wanted[k]!r}" if k in stored
+                          else f"--{k.replace('_', '-')} (not recorded) -> {wanted[k]!r}" for k in diff)
+        raise ConfigError(f"{where} was made with other settings ({shown}); {remedy}")
 
 
 def launch_world_size(cfg: Config) -> int:

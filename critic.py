@@ -21,32 +21,38 @@ import torch
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForTokenClassification
 
-from config import ConfigError
 from data import sample_prompts, stream_seed
-from fsdp_utils import export_hf_checkpoint, world_size
+from fsdp_utils import (all_reduce, copy_local_rows, export_hf_checkpoint, is_main, load_pretrained,
+                        reduce_metrics, shard_options, world_size)
 from ppo import value_loss
 from rollout import RolloutBatch
-from rundir import build_once
+from rundir import build_once, check_stage
 from sampling import Sampler
 
 
-def load_value_model(path: str, head_init_std: float | None = None, dtype=torch.float32):
-    """A backbone + scalar head from `path`.
+def load_value_model(path: str, head_init_std: float | None = None, seed: int = 0, device=None, **shard_options):
+    """A backbone + scalar head from `path`, in fp32 (`fsdp_utils.load_pretrained`: sharded by
+    `shard_model(model, **shard_options)` under torchrun, without a whole model on any rank).
 
     If `path` holds a value model (critic or reward model), its head is loaded as saved.
-    If it holds a causal LM (pi_SFT), the head is new: weights ~ N(0, head_init_std), bias 0, so
-    the critic starts near V = 0 rather than from Hugging Face's default initialisation.
+    If it holds a causal LM (pi_SFT), the head is new: weights ~ N(0, head_init_std) drawn from
+    `seed` (the same head on every rank and at every world size), bias 0, so the critic starts
+    near V = 0 rather than from Hugging Face's default initialisation.
     """
     config = AutoConfig.from_pretrained(path)
     has_head = any("TokenClassification" in a for a in (config.architectures or []))
     config.num_labels = 1
     config.classifier_dropout = 0.0  # a regression head; dropout would only add noise to V
-    model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=dtype)
+    head = ("score.weight", "score.bias")
+    model = load_pretrained(AutoModelForTokenClassification, path, config, fresh=() if has_head else head,
+                            device=device, **shard_options)
+    if not has_head and is_main():  # expected, and said in one line (transformers' report is held back)
+        tqdm.write(f"critic: a fresh value head (score.weight, score.bias) on the backbone of {path}")
     if not has_head or head_init_std is not None:
         std = 0.02 if head_init_std is None else head_init_std
-        with torch.no_grad():
-            model.score.weight.normal_(0.0, std)
-            model.score.bias.zero_()
+        weight = torch.empty(model.score.weight.shape).normal_(0.0, std, generator=torch.Generator().manual_seed(seed))
+        copy_local_rows(model.score.weight, weight)
+        copy_local_rows(model.score.bias, torch.zeros(model.score.bias.shape))
     return model
 
 
@@ -87,7 +93,9 @@ def train_orm(model, batches: list[RolloutBatch], outcomes: list[torch.Tensor], 
     """Train the ORM: MSE between the last-token output and the +-1 outcome, as a reward model is.
 
     `outcomes[i]` is a float tensor [B_i] of +-1 (e.g. `verifier.rule_reward`) for `batches[i]`.
-    Steps cycle through the batches. Returns per-step metrics (loss, sign accuracy).
+    Steps cycle through the batches. Returns per-step metrics (loss, sign accuracy). Under torchrun
+    `model` is sharded and each rank holds its share of every batch: the squared errors are divided
+    by the global row count and FSDP sums the gradients, so the step is the single-process one.
     """
     if len(batches) != len(outcomes) or not batches:
         raise ValueError(f"train_orm: need as many outcome tensors as batches (>0); got "
@@ -102,15 +110,19 @@ def train_orm(model, batches: list[RolloutBatch], outcomes: list[torch.Tensor], 
     history = []
     for step in range(steps):
         batch, outcome = batches[step % len(batches)], outcomes[step % len(batches)].float()
+        rows = all_reduce(torch.tensor(float(len(batch)))).item()  # the global batch
         scores = _last_token_outputs(model, batch)
-        loss = torch.nn.functional.mse_loss(scores, outcome)  # loss at the last token only
+        squared_errors = ((scores - outcome) ** 2).sum()
+        loss = squared_errors / rows  # MSE at the last token only, over every rank's rows
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         optimizer.step()
-        accuracy = (torch.sign(scores.detach()) == torch.sign(outcome)).float().mean()
-        history.append({"step": step, "orm/loss": loss.item(), "orm/sign_accuracy": accuracy.item(),
-                        "orm/grad_norm": grad_norm.item()})
+        correct = (torch.sign(scores.detach()) == torch.sign(outcome)).float().sum()
+        totals = reduce_metrics({"loss": squared_errors.item(), "correct": correct.item()}, sums=("loss", "correct"))
+        history.append({"step": step, "orm/loss": totals["loss"] / rows,
+                        "orm/sign_accuracy": totals["correct"] / rows, "orm/grad_norm": grad_norm})
     model.eval()
     return history
 
@@ -134,16 +146,19 @@ def orm_path(cfg) -> str:
     return os.path.join(cfg.out_dir, "_shared", "orm" if cfg.model is None else f"orm-{cfg.run_name}")
 
 
+def check_orm(cfg) -> None:
+    """Before anything is written: a cached ORM was trained with this run's settings (its
+    settings.json says so)."""
+    path = orm_path(cfg)
+    if os.path.exists(path):
+        check_stage(path, {k: getattr(cfg, k) for k in ORM_SETTINGS}, remedy="delete it to train a new one")
+
+
 def prepare_orm(cfg, sft_path: str, sampler: Sampler, records: list[dict]) -> str:
     """The ORM that plain PPO's critic starts from (`--critic-init rm`), trained once on pi_SFT's
     graded samples (a cached stage, `rundir.build_once`); its path."""
+    check_orm(cfg)
     path = orm_path(cfg)
-    if world_size() > 1 and not os.path.exists(path):
-        # train_orm is a single-process trainer (whole model, whole batch): under torchrun each rank
-        # would train its own ORM on its share of the samples. Train it once, then reuse it.
-        raise ConfigError(f"--critic-init rm under torchrun needs a trained outcome reward model at {path} "
-                          f"(a Hugging Face token-classification checkpoint, 1 label): train.py trains one "
-                          f"only in a single process")
 
     def build(staging: str) -> None:
         orm_cfg = dataclasses.replace(cfg, seed=0)
@@ -153,12 +168,16 @@ def prepare_orm(cfg, sft_path: str, sampler: Sampler, records: list[dict]) -> st
             scored = sampler.sample_and_score(prompts, stream_seed(0, "orm/sampling", i))
             batches.append(scored.batch)
             outcomes.append(scored.outcomes)
-        model = load_value_model(sft_path).to(batches[0].device)  # where the engine put the samples
+        # Sharded under torchrun like the critic, each rank training on its own samples, on the
+        # device the engine put them on.
+        model = load_value_model(sft_path, seed=stream_seed(0, "orm/head", 0), device=batches[0].device,
+                                 **shard_options(cfg))
         history = train_orm(model, batches, outcomes, steps=cfg.orm_steps, lr=cfg.orm_lr)
-        export_hf_checkpoint(model, sampler.tokenizer, staging)
+        export_hf_checkpoint(model, sampler.tokenizer, staging)  # streamed from the shards: collective
         last = history[-1]
-        tqdm.write(f"ORM: {cfg.orm_steps} steps on {sum(map(len, batches))} graded samples, "
-                   f"loss {last['orm/loss']:.3f}, sign accuracy {last['orm/sign_accuracy']:.2f} -> {path}")
+        if is_main():
+            tqdm.write(f"ORM: {cfg.orm_steps} steps on {sum(map(len, batches)) * world_size()} graded samples, "
+                       f"loss {last['orm/loss']:.3f}, sign accuracy {last['orm/sign_accuracy']:.2f} -> {path}")
 
     build_once(path, {k: getattr(cfg, k) for k in ORM_SETTINGS}, build, remedy="delete it to train a new one")
     return path

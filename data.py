@@ -54,12 +54,18 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, object]]:
             except UnicodeDecodeError as e:
                 yield where, DataError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})")
                 continue
+            line = line.rstrip("\r\n")  # else an error at the line's end reads "column 1" of the next
             if not line.strip():
                 continue  # blank lines (a trailing newline) are not records
             try:
                 yield where, json.loads(line)
             except json.JSONDecodeError as e:
-                yield where, DataError(f"{where}: malformed JSON ({e.msg}, column {e.colno})")
+                at = f"column {e.pos + 1} of {len(line)}"
+                if e.pos >= len(line):
+                    at = f"the line ends at column {len(line)}, cut short?"
+                elif e.msg.startswith("Unterminated string"):
+                    at += ", cut short?"
+                yield where, DataError(f"{where}: malformed JSON ({e.msg}: {at})")
 
 
 def _parquet_rows(path: Path, keys: tuple[str, str]) -> Iterator[tuple[str, object]]:

@@ -7,6 +7,11 @@ process joins a process group of one rank, as `torchrun --nproc_per_node 1` woul
 that a single GPU trains through FSDP2 with the same bf16 mixed precision and activation
 checkpointing as many.
 
+Hugging Face checkpoints enter the trainer sharded (`load_pretrained`): under torchrun the model is
+built on the meta device, `fully_shard`ed, and each rank reads only its own rows of each tensor
+from the safetensors files, so no rank ever holds a whole model (torchtitan and verl load the same
+way); one process loads with `from_pretrained`, as anyone would.
+
 Full (unsharded) weights leave the trainer in two ways, both streamed one bounded bucket at a
 time so no rank ever holds the whole model (TRL #7131): into the vLLM engine after each update
 (`iter_full_weights`, used by `rollout.VLLMRollout.sync_weights`) and into a Hugging Face
@@ -15,8 +20,11 @@ checkpoint (`export_hf_checkpoint`).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import logging
+import math
 import os
 import shutil
 import socket
@@ -28,11 +36,12 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 # DCP warns on every save/load in a single process; that is this project's everyday case.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -160,7 +169,8 @@ def shard_model(
     (`all_reduce` of the local counts) then gives exactly the single-process gradient.
     mixed_precision (bf16 compute, fp32 sharded parameters and reduction) and cpu_offload are GPU
     options: without a GPU they raise ValueError (check_gpu_options). Under torchrun pass the
-    model on CPU: FSDP2 moves each layer to the GPU as it shards it, so a large model never sits
+    model on the meta device (`load_pretrained` then gives each rank memory for its shards only), or
+    on CPU: FSDP2 moves each layer to the GPU as it shards it, so a large model never sits
     whole on one GPU (offloaded shards go back to CPU).
     checkpoint_fraction < 1 recomputes only that share of the layers (spread evenly): less
     recompute for more memory. compile_layers: torch.compile each decoder layer, in place (the
@@ -214,6 +224,140 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return layers
 
 
+# Each rank reads its rows of a tensor at most this many bytes at a time: with the bf16 or fp32
+# copy in flight and the file pages it maps, loading adds about twice this to the rank's shards.
+READ_BYTES = 64 << 20
+
+
+def load_pretrained(model_class, path: str, config=None, fresh=(), device=None, **shard_options):
+    """`model_class.from_pretrained(path)` in fp32; sharded by `shard_model(model, **shard_options)`
+    under torchrun.
+
+    One process: `from_pretrained`, moved to `device` if given, then `shard_model` (FSDP2 over a
+    group of one rank on a GPU, see `init_distributed`; unsharded on the CPU). Under torchrun: the model is built
+    from its config on the meta device (no memory), sharded, given memory for this rank's shards
+    only (on its GPU, or on CPU with cpu_offload), and filled from the checkpoint's safetensors
+    files, each rank reading only its rows of each tensor, READ_BYTES at a time. bf16 checkpoints
+    widen to fp32 exactly; a tied head stays the embedding (one parameter, read once). Names in
+    `fresh` (a new value head) may be absent from the checkpoint and are left for the caller to
+    initialise, on every rank alike; any other absent tensor is an error.
+    """
+    if world_size() == 1:
+        with _load_report_held_back():  # its table is checked here instead, as the sharded path checks
+            model, loaded = model_class.from_pretrained(path, config=config, dtype=torch.float32,
+                                                        output_loading_info=True)
+        problems = [f"no tensor {name} in the checkpoint" for name in sorted(set(loaded["missing_keys"]) - set(fresh))]
+        problems += [f"{mismatch} has the wrong shape" for mismatch in loaded["mismatched_keys"]]
+        if problems:
+            raise CheckpointError(f"{path}: {'; '.join(problems)} (a {model_class.__name__} needs them)")
+        # FSDP2 over a one-rank group on a GPU; on the CPU, the same model with the checkpointing asked for
+        return shard_model(model if device is None else model.to(device), **shard_options)
+    from tqdm import tqdm
+    from transformers import AutoConfig, GenerationConfig
+
+    config = config if config is not None else AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = model_class.from_config(config, dtype=torch.float32)
+    model = shard_model(model, **shard_options)
+    offloaded = shard_options.get("cpu_offload") and torch.cuda.is_available()
+    model.to_empty(device="cpu" if offloaded else local_device())
+    # Buffers outside the state dict (the rotary inverse frequencies) came out of to_empty as
+    # garbage: recompute them as from_pretrained does, with the model's own initialiser.
+    for module in model.modules():
+        if module._non_persistent_buffers_set:
+            model._init_weights(module)
+    weights = _safetensors_index(path)
+    saved = model.state_dict().keys()  # parameters (a tied one under both names) and persistent buffers
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    for name, tensor in tqdm(tensors, desc=f"loading {os.path.basename(path)} (shards)", leave=False,
+                             disable=rank() != 0, dynamic_ncols=True):
+        if name not in saved:
+            continue
+        if name in weights:
+            _read_local_rows(tensor, weights[name], name)
+        elif name not in fresh:
+            raise CheckpointError(f"{path}: no tensor {name} in the checkpoint (a {type(model).__name__} "
+                                  f"needs it)")
+    model.eval()  # as from_pretrained leaves it
+    if model.can_generate() and os.path.exists(os.path.join(path, "generation_config.json")):
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    return model
+
+
+@contextlib.contextmanager
+def _load_report_held_back():
+    """transformers logs a warning table ("... LOAD REPORT ...") for every tensor missing from a
+    checkpoint, a fresh value head included; during the block it is dropped."""
+    logger = logging.getLogger("transformers.modeling_utils")
+    drop = lambda record: "LOAD REPORT" not in record.getMessage()
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
+
+
+def shard_options(cfg) -> dict:
+    """`shard_model`'s settings from a run's config."""
+    return {"mixed_precision": cfg.mixed_precision, "activation_checkpointing": cfg.activation_checkpointing,
+            "cpu_offload": cfg.cpu_offload, "checkpoint_fraction": cfg.checkpoint_fraction,
+            "compile_layers": cfg.compile_layers}
+
+
+def copy_local_rows(tensor: torch.Tensor, full: torch.Tensor) -> None:
+    """Write this rank's rows of `full` into `tensor` (an FSDP2 parameter or a plain tensor)."""
+    local, rows = _local_rows(tensor)
+    with torch.no_grad():
+        local.copy_(full[rows] if full.dim() else full)
+
+
+def _local_rows(tensor: torch.Tensor) -> tuple[torch.Tensor, slice]:
+    """This rank's part of `tensor` and the rows of the full tensor it holds. FSDP2 shards dim 0
+    in torch.chunk's pieces: ceil(n / world) rows per rank, fewer (or none) on the last ones."""
+    if not isinstance(tensor, DTensor):
+        return tensor, slice(0, tensor.shape[0] if tensor.dim() else 1)
+    if tensor.device_mesh.ndim != 1 or tensor.placements != (Shard(0),):
+        raise ValueError(f"expected FSDP2's Shard(0) on a 1-D mesh, got {tensor.placements}")
+    n, ranks = tensor.shape[0], tensor.device_mesh.size()
+    start = min(tensor.device_mesh.get_local_rank() * -(-n // ranks), n)
+    local = tensor.to_local()
+    return local, slice(start, start + local.shape[0])
+
+
+def _read_local_rows(tensor: torch.Tensor, file: str, name: str) -> None:
+    """This rank's rows of `name` from a safetensors file into `tensor`, READ_BYTES at a time.
+    Each read opens the file anew: the pages it maps are released with it."""
+    local, rows = _local_rows(tensor)
+    with safe_open(file, framework="pt") as f:
+        shape = tuple(f.get_slice(name).get_shape())
+    if shape != tuple(tensor.shape):
+        raise CheckpointError(f"{file}: {name} has shape {shape}, the model wants {tuple(tensor.shape)}")
+    with torch.no_grad():
+        if not shape:
+            with safe_open(file, framework="pt") as f:
+                local.copy_(f.get_tensor(name))
+            return
+        row_bytes = max(math.prod(shape[1:]) * tensor.element_size(), 1)
+        step = max(READ_BYTES // row_bytes, 1)
+        for start in range(rows.start, rows.stop, step):
+            stop = min(start + step, rows.stop)
+            with safe_open(file, framework="pt") as f:
+                local[start - rows.start : stop - rows.start].copy_(f.get_slice(name)[start:stop])
+
+
+def _safetensors_index(path: str) -> dict[str, str]:
+    """{tensor name: file} of the Hugging Face checkpoint at `path` (one file or an index)."""
+    index, single = os.path.join(path, "model.safetensors.index.json"), os.path.join(path, "model.safetensors")
+    if os.path.exists(index):
+        with open(index) as f:
+            return {name: os.path.join(path, file) for name, file in json.load(f)["weight_map"].items()}
+    if os.path.exists(single):
+        with safe_open(single, framework="pt") as f:
+            return {name: single for name in f.keys()}
+    raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json (under torchrun the "
+                          f"checkpoint is read as safetensors, each rank its own rows)")
+
+
 def save_checkpoint(path: str, models: dict, optimizers: dict, extra: dict) -> None:
     """Models + optimizers (sharded or not) + plain extras (step, RNG, config) into `path`.
 
@@ -257,7 +401,16 @@ def latest_checkpoint(path: str) -> str | None:
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be restored (truncated, or written by another configuration)."""
+    """A checkpoint that cannot be restored (truncated, or written by another configuration), or a
+    Hugging Face checkpoint that cannot be loaded into the model's shards."""
+
+
+def checkpoint_extra(path: str) -> dict:
+    """The plain extras (step, ...) of a checkpoint that `save_checkpoint` wrote, nothing restored."""
+    try:
+        return torch.load(os.path.join(path, "extra.pt"), weights_only=False)
+    except Exception as err:  # a truncated or foreign file
+        raise CheckpointError(f"cannot read {path}/extra.pt ({type(err).__name__}: {err})") from None
 
 
 def load_checkpoint(path: str, models: dict, optimizers: dict) -> dict:

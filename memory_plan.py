@@ -1,11 +1,17 @@
-"""Per-GPU memory plan for colocated FSDP2 training and vLLM rollouts (`train.py --plan`).
+"""Per-GPU and per-node host memory plan for colocated FSDP2 training and vLLM rollouts
+(`train.py --plan`).
 
-An estimate from the model's shapes, not a measurement. A colocated step has two phases:
+An estimate from the model's shapes, not a measurement. A colocated step has two phases on the GPU:
 - rollout: vLLM is awake and takes `gpu_memory_utilization` of the GPU (its bf16 weights split
   by tensor parallelism, the rest KV cache); the trainer's sharded parameters and optimizer
   states stay resident (gradients are freed), unless offloaded to CPU;
 - training: vLLM sleeps at level 2 (holds nothing); actor and critic states are resident, plus
   the gradients, the layers FSDP gathers, and the activations of one micro-batch.
+Host memory per node is counted at loading (`fsdp_utils.load_pretrained`: each rank reads its own
+rows, so only a small read buffer per rank; one process reads the whole model), during training
+(CPU-offloaded states) and at checkpoint saves (DCP stages one tensor per rank; a Hugging Face
+export holds one file's bucket on rank 0). The processes' own memory (libraries, CUDA context) is
+not counted.
 
     python memory_plan.py                       # Qwen2.5-32B actor + critic, 2 x 8 x H200
     python memory_plan.py --world-size 8 --micro-batch-tokens 36864
@@ -14,9 +20,13 @@ An estimate from the model's shapes, not a measurement. A colocated step has two
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 GIB = 1024**3
+# Host-side constants of the code this plans for: fsdp_utils.READ_BYTES (each rank's read buffer,
+# held twice: the copy and the file pages it maps) and export_hf_checkpoint's default file size.
+READ_BYTES = 64 << 20
+EXPORT_SHARD_BYTES = 4 << 30
 
 
 @dataclass(frozen=True)
@@ -39,6 +49,11 @@ class ModelShape:
         return cls(config.hidden_size, config.num_hidden_layers, config.num_attention_heads,
                    config.num_key_value_heads, config.intermediate_size, config.vocab_size, head_dim,
                    bool(getattr(config, "tie_word_embeddings", False)))
+
+    @property
+    def largest_tensor(self) -> int:
+        """Elements of the largest single tensor (the embedding, or an MLP matrix)."""
+        return max(self.vocab, self.intermediate) * self.hidden
 
     @property
     def layer_params(self) -> int:
@@ -64,11 +79,16 @@ class ModelShape:
 QWEN25_32B = ModelShape(hidden=5120, layers=64, heads=40, kv_heads=8, intermediate=27648, vocab=152064, head_dim=128)
 
 
+HOST_PHASES = ("loading", "training", "DCP save", "HF export")
+
+
 @dataclass
 class MemoryPlan:
     rows: list[tuple[str, float, float]]  # (component, rollout GiB, training GiB) per GPU
     capacity_gib: float
     notes: list[str]
+    host_rows: list[tuple] = field(default_factory=list)  # (component, GiB per node in each of HOST_PHASES)
+    ranks_per_node: int = 8
 
     @property
     def peak_gib(self) -> float:
@@ -78,6 +98,11 @@ class MemoryPlan:
     def fits(self) -> bool:
         return self.peak_gib <= self.capacity_gib
 
+    @property
+    def host_peak_gib(self) -> float:
+        """Host memory per node at its fullest phase."""
+        return max(sum(r[i + 1] for r in self.host_rows) for i in range(len(HOST_PHASES))) if self.host_rows else 0.0
+
     def __str__(self) -> str:
         lines = [f"{'per GPU (GiB)':<52}{'rollout':>10}{'training':>10}"]
         lines += [f"{name:<52}{a:>10.1f}{b:>10.1f}" for name, a, b in self.rows]
@@ -85,6 +110,10 @@ class MemoryPlan:
         lines.append(f"{'total':<52}{totals[0]:>10.1f}{totals[1]:>10.1f}")
         verdict = "fits" if self.fits else "does NOT fit"
         lines.append(f"peak {self.peak_gib:.1f} GiB of {self.capacity_gib:.1f} GiB usable: {verdict}")
+        header = f"host per node, {self.ranks_per_node} ranks (GiB)"
+        lines.append(f"\n{header:<52}" + "".join(f"{phase:>10}" for phase in HOST_PHASES))
+        lines += [f"{name:<52}" + "".join(f"{v:>10.1f}" for v in values) for name, *values in self.host_rows]
+        lines.append(f"host peak {self.host_peak_gib:.1f} GiB per node")
         return "\n".join(lines + self.notes)
 
 
@@ -100,18 +129,24 @@ def plan(
     cpu_offload: bool = False,
     gpu_gib: float = 140.4,
     reserved_gib: float = 5.0,
+    gpus_per_node: int = 8,
+    reference_policy: bool = False,
 ) -> MemoryPlan:
-    """Per-GPU memory of actor + critic training (FSDP2 over `world_size`) and vLLM rollouts.
+    """Per-GPU memory of actor + critic training (FSDP2 over `world_size`) and vLLM rollouts, and
+    host memory per node of `gpus_per_node` ranks.
 
     model / critic: a `ModelShape` or a Hugging Face config (the critic defaults to the actor's
     backbone). micro_batch_tokens: prompt + response tokens in one forward/backward per GPU.
     gpu_gib: what the GPU reports (H200 "141 GB": 143,771 MiB = 140.4 GiB); reserved_gib: CUDA
-    context, NCCL buffers and fragmentation, not available to either phase.
+    context, NCCL buffers and fragmentation, not available to either phase. reference_policy:
+    a frozen copy of the actor is loaded too (--kl-coef).
     """
     actor = model if isinstance(model, ModelShape) else ModelShape.from_config(model)
     critic = actor if critic is None else critic if isinstance(critic, ModelShape) else ModelShape.from_config(critic)
     if world_size < 1 or tensor_parallel_size < 1 or world_size % tensor_parallel_size:
         raise ValueError(f"world_size {world_size} must be a positive multiple of tensor_parallel_size {tensor_parallel_size}")
+    if gpus_per_node < 1:
+        raise ValueError(f"gpus_per_node must be positive, got {gpus_per_node}")
     if not 0 < gpu_memory_utilization < 1:
         raise ValueError(f"gpu_memory_utilization must lie in (0, 1), got {gpu_memory_utilization}")
     n_actor, n_critic = actor.params(), critic.params(value_head=True)
@@ -123,6 +158,8 @@ def plan(
         ("actor AdamW states (2 x fp32, sharded)", shard(n_actor, 8), shard(n_actor, 8)),
         ("critic parameters (fp32, sharded)", shard(n_critic, 4), shard(n_critic, 4)),
         ("critic AdamW states (2 x fp32, sharded)", shard(n_critic, 8), shard(n_critic, 8)),
+        *([("reference policy parameters (fp32, sharded)", shard(n_actor, 4), shard(n_actor, 4))]
+          if reference_policy else []),
         # Actor and critic are updated one after the other; gradients are freed in between.
         ("gradients of one model (fp32, sharded)", 0.0, shard(max(n_actor, n_critic), 4)),
         # FSDP holds the running layer and prefetches the next one, unsharded.
@@ -150,7 +187,49 @@ def plan(
     ]
     if vllm_weights > vllm_total:
         notes.append("vLLM's share cannot even hold its weights: raise gpu_memory_utilization or tensor parallelism")
-    return MemoryPlan(rows, gpu_gib - reserved_gib, notes)
+    ranks = min(gpus_per_node, world_size)
+    host_rows = _host_rows(actor, critic, world_size, ranks, n_actor + n_critic + (n_actor if reference_policy else 0),
+                           n_actor + n_critic, cpu_offload)
+    notes.append("host: vLLM 0.32 keeps no CPU swap (its V1 engine recomputes preempted requests) and sleep "
+                 "level 2 keeps no CPU copy of its weights; a multi-node run reads the checkpoint on every node")
+    return MemoryPlan(rows, gpu_gib - reserved_gib, notes, host_rows, ranks)
+
+
+def _host_rows(actor: ModelShape, critic: ModelShape, world_size: int, ranks: int, n_loaded: int, n_trained: int,
+               cpu_offload: bool) -> list[tuple]:
+    """Host GiB per node of `ranks` ranks, in each of HOST_PHASES."""
+    node = lambda per_rank_bytes: ranks * per_rank_bytes / GIB
+    largest = max(actor.largest_tensor, critic.largest_tensor) * 4  # fp32 bytes
+    rows = []
+    if world_size == 1:  # from_pretrained: one whole fp32 model at a time, plus the bf16 file pages it maps
+        whole = max(actor.params(), critic.params(value_head=True))
+        rows.append(("loading: one whole model (fp32 + bf16 file pages)", whole * 6 / GIB, 0.0, 0.0, 0.0))
+    else:
+        rows.append(("loading: each rank's read buffer (2 x 64 MiB)", node(2 * READ_BYTES), 0.0, 0.0, 0.0))
+    if cpu_offload:  # parameters at loading; then gradients and AdamW states too (16 bytes)
+        resident = node((n_loaded * 4 + n_trained * 12) / world_size)
+        rows.append(("CPU-offloaded params, grads, AdamW (fp32, sharded)", node(n_loaded * 4 / world_size),
+                     resident, resident, resident))
+    else:  # DCP copies one tensor (+10 MB ahead) per rank off the GPU as it writes
+        rows.append(("DCP save: one tensor per rank staged from the GPU", 0.0, 0.0, node(largest / world_size + 10e6),
+                     0.0))
+    # Value pretraining and the ORM export a Hugging Face checkpoint: rank 0 holds one file's bucket.
+    rows.append(("HF export on rank 0: one 4 GiB file + one tensor", 0.0, 0.0, 0.0,
+                 (EXPORT_SHARD_BYTES + largest) / GIB))
+    rows.append(("vLLM CPU swap", 0.0, 0.0, 0.0, 0.0))
+    return rows
+
+
+def needs(model, world_sizes=(8, 16), **options) -> list[str]:
+    """One line per world size: the GPU peak and verdict, and host memory per node."""
+    lines = []
+    for world_size in world_sizes:
+        p = plan(model, world_size, **options)
+        nodes = -(-world_size // p.ranks_per_node)
+        lines.append(f"at {world_size} GPUs ({nodes} node{'s' if nodes > 1 else ''} of {p.ranks_per_node}): "
+                     f"{p.peak_gib:.1f} GiB per GPU of {p.capacity_gib:.1f} "
+                     f"({'fits' if p.fits else 'does NOT fit'}), host {p.host_peak_gib:.1f} GiB per node")
+    return lines
 
 
 def _activations(shape: ModelShape, tokens: int, nbytes: int, checkpointing: bool, lm_head: bool) -> float:
@@ -174,6 +253,7 @@ def main(argv: list[str] | None = None) -> MemoryPlan:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     p.add_argument("--gpu-gib", type=float, default=140.4, help="memory the GPU reports (H200: 140.4)")
     p.add_argument("--reserved-gib", type=float, default=5.0)
+    p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--no-mixed-precision", dest="mixed_precision", action="store_false")
     p.add_argument("--no-activation-checkpointing", dest="activation_checkpointing", action="store_false")
     p.add_argument("--cpu-offload", action="store_true")
@@ -190,6 +270,7 @@ def main(argv: list[str] | None = None) -> MemoryPlan:
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
     print(result)
+    print("\n".join(needs(shape, **{k: v for k, v in options.items() if k != "world_size"})))
     return result
 
 

@@ -335,6 +335,7 @@ def update_model(cfg, model, optimizer, batch, per_token, loss_fn, seed, prefix)
     """
     generator = torch.Generator().manual_seed(seed)
     totals, grad_norms = {}, []
+    model.train()  # Hugging Face recomputes activations (--activation-checkpointing) in training mode only
     for _ in range(cfg.ppo_epochs):
         order = torch.randperm(len(batch), generator=generator).to(batch.device)  # CPU draws: same on any device
         for minibatch in order.chunk(cfg.num_minibatches):
@@ -358,6 +359,7 @@ def update_model(cfg, model, optimizer, batch, per_token, loss_fn, seed, prefix)
                 raise FloatingPointError(f"{prefix}: gradient norm is {grad_norm}")
             grad_norms.append(grad_norm)
             optimizer.step()
+    model.eval()  # as loaded: the no-grad forwards and generation keep their KV cache
     totals = reduce_metrics(totals, sums=totals.keys()) | {"grad_norm": sum(grad_norms)}
     return {f"{prefix}/{name}": value / len(grad_norms) for name, value in totals.items()}
 

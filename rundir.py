@@ -37,21 +37,36 @@ STAGE_SETTINGS = "settings.json"  # in a cached stage's directory: what it was b
 MAY_CHANGE = ("resume", "threads", "steps", "save_every", "grader_workers", "grader_timeout_s",
               "micro_batch_size", "activation_checkpointing", "cpu_offload", "gpu_memory_utilization",
               "checkpoint_fraction", "micro_batch_tokens", "logprob_chunk_tokens", "compile_layers")
+# What a rerun takes from the run directory instead of computing it again: never without the
+# config.json that says which settings made it.
+REUSED = ("eval_sft.json", "value_pretrain", "checkpoint", "checkpoint.tmp", "checkpoint.old")
 
 
 def check(cfg: Config) -> str:
-    """The run's directory; stops if its config.json holds other settings (see MAY_CHANGE)."""
+    """The run's directory, read and not written: stops if its config.json holds other settings
+    (see MAY_CHANGE), if it holds outputs but no config.json to check them against, or if
+    --resume would start past --steps. A refused command leaves the directory as it was."""
     run_dir = os.path.join(cfg.out_dir, cfg.run_name)
     saved = os.path.join(run_dir, "config.json")
     if os.path.exists(saved):
         with open(saved) as f:
             check_settings(run_dir, json.load(f), dataclasses.asdict(cfg), ignore=MAY_CHANGE,
                            remedy="choose another --run-name or delete it")
+    elif reused := [name for name in REUSED if os.path.exists(os.path.join(run_dir, name))]:
+        raise ConfigError(f"{run_dir} holds {', '.join(reused)} but no config.json, the settings "
+                         f"{'they were' if len(reused) > 1 else 'it was'} made with; choose another --run-name or "
+                         f"delete it")
+    found = fsdp_utils.latest_checkpoint(os.path.join(run_dir, "checkpoint"))
+    if cfg.resume and found:
+        step = fsdp_utils.checkpoint_extra(found)["step"]
+        if step + 1 > cfg.steps:
+            raise ConfigError(f"{found} is at step {step}, past --steps {cfg.steps}")
     return run_dir
 
 
 def prepare(cfg: Config) -> str:
-    """The run's directory, checked against what is already there, with config.json written."""
+    """The run's directory, checked against what is already there, with config.json written.
+    Called once every input has been checked: a failed start must not block its corrected rerun."""
     run_dir = check(cfg)
     saved = os.path.join(run_dir, "config.json")
     os.makedirs(run_dir, exist_ok=True)
@@ -61,10 +76,22 @@ def prepare(cfg: Config) -> str:
     return run_dir
 
 
+def json_safe(obj):
+    """`obj` with every NaN or inf float replaced by None: strict JSON readers reject bare NaN.
+    (Explained variance is undefined, NaN, on a batch whose returns are all equal.)"""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
 def write_json(path: str, obj) -> None:
     """Written whole or not at all (a kill mid-write must not leave a file the next run cannot read)."""
     with open(path + ".tmp", "w") as f:
-        json.dump(obj, f, indent=2)
+        json.dump(json_safe(obj), f, indent=2, allow_nan=False)
     os.replace(path + ".tmp", path)
 
 
@@ -74,10 +101,7 @@ def build_once(path: str, settings: dict, build, remedy: str = "delete it to bui
     and its final name. True if built now. `build` runs on every rank (a collective export needs
     them all; a stage that one rank builds checks the rank itself); rank 0 renames."""
     if os.path.exists(path):
-        saved = os.path.join(path, STAGE_SETTINGS)
-        if os.path.exists(saved):  # a cache from before the settings were saved is taken as it is
-            with open(saved) as f:
-                check_settings(path, json.load(f), settings, remedy=remedy)
+        check_stage(path, settings, remedy)
         return False
     # A killed build's leftovers stay: value pretraining resumes from its checkpoint there, and
     # every file a build writes is written whole.
@@ -89,6 +113,18 @@ def build_once(path: str, settings: dict, build, remedy: str = "delete it to bui
         os.replace(staging, path)
     fsdp_utils.barrier()
     return True
+
+
+def check_stage(path: str, settings: dict, remedy: str = "delete it to build it again") -> None:
+    """Stop unless the cached stage at `path` records, in its settings.json, that it was built with
+    `settings`. Without that file (a directory made by hand, by `python sft.py`, or by an older
+    version) it cannot be told from another experiment's, so it is refused, never taken as it is."""
+    saved = os.path.join(path, STAGE_SETTINGS)
+    if not os.path.exists(saved):
+        raise ConfigError(f"{path} holds no {STAGE_SETTINGS} with the settings it was built with, so it cannot "
+                          f"be checked against this run's; {remedy}")
+    with open(saved) as f:
+        check_settings(path, json.load(f), settings, remedy=remedy)
 
 
 def save(cfg, run_dir: str, step: int, models: dict, optimizers: dict, schedulers: list) -> None:
@@ -104,10 +140,8 @@ def resume(cfg, run_dir: str, models: dict, optimizers: dict, schedulers: list) 
     ckpt = os.path.join(run_dir, "checkpoint")
     found = fsdp_utils.latest_checkpoint(ckpt)
     if cfg.resume and found:
-        extra = fsdp_utils.load_checkpoint(found, models, optimizers)
+        extra = fsdp_utils.load_checkpoint(found, models, optimizers)  # start <= cfg.steps: see check
         start, saved_world, world = extra["step"] + 1, extra.get("world_size", 1), fsdp_utils.world_size()
-        if start > cfg.steps:
-            raise ConfigError(f"{found} is at step {extra['step']}, past --steps {cfg.steps}")
         for scheduler, state in zip(schedulers, extra["schedulers"]):
             scheduler.load_state_dict(state)
         tqdm.write(f"resumed from {found} at step {start}")
@@ -149,7 +183,7 @@ class MetricsLog:
         if not self.enabled:
             return
         with open(self.path, "a") as f:
-            f.write(json.dumps({"step": step, **metrics}) + "\n")
+            f.write(json.dumps(json_safe({"step": step, **metrics}), allow_nan=False) + "\n")
         for key, value in metrics.items():
             self.tb.add_scalar(key, value, step)
         self.tb.flush()

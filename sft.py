@@ -3,10 +3,11 @@
 Trains a tiny Qwen2 from scratch on the built-in task's traces (`task.sft_response`: mostly full
 chains of thought, some merged lines, some shortcuts), with the loss on response tokens only,
 then writes a Hugging Face checkpoint (model + tokenizer) that `train.py` loads as the policy
-(`prepare_sft`, its SFT stage, trains it once and caches it).
+(`prepare_sft`, its SFT stage, trains it once and caches it). Its settings go in with it
+(settings.json), and train.py reuses a cached pi_SFT only if they are the ones it asks for.
 
     python sft.py --out-dir runs/_shared/sft            # ~3 min on 2 CPU cores, then a report
-    python sft.py --steps 40 --eval-problems 32         # smoke run
+    python sft.py --steps 40 --eval-problems 32 --out-dir runs/sft-smoke   # smoke run
 
 The report samples held-out problems at temperature 1 and gives accuracy and length by
 difficulty, the share and accuracy of each strategy, and per-line accuracy of the arithmetic.
@@ -19,7 +20,7 @@ import math
 import random
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -29,8 +30,8 @@ from tqdm import tqdm
 import task
 from fsdp_utils import is_main
 from rollout import HFRollout, decode_responses
-from rundir import build_once
-from verifier import rule_reward
+from rundir import STAGE_SETTINGS, build_once, write_json
+from verifier import Grader
 
 
 @dataclass
@@ -153,6 +154,7 @@ def train_sft(cfg: SFTConfig, model=None, tokenizer=None) -> dict:
         bar.set_postfix(loss=f"{losses[-1]:.3f}", lr=f"{sched.get_last_lr()[0]:.1e}")
     seconds = time.time() - start
     out = Path(cfg.out_dir)
+    (out / STAGE_SETTINGS).unlink(missing_ok=True)  # an older model's settings must not outlive it
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     summary = {
@@ -160,44 +162,112 @@ def train_sft(cfg: SFTConfig, model=None, tokenizer=None) -> dict:
         "first_loss": losses[0], "final_loss": sum(losses[-10:]) / len(losses[-10:]),
         "parameters": sum(p.numel() for p in model.parameters()), "config": asdict(cfg),
     }
+    # Written last, as in any cached stage (rundir.build_once): train.py reuses a pi_SFT that
+    # `python sft.py` wrote only if these are the settings it asks for.
+    write_json(str(out / STAGE_SETTINGS), sft_settings(cfg))
     print(f"SFT: {cfg.steps} steps, {tokens} tokens in {seconds:.0f} s; loss {summary['first_loss']:.3f} -> "
-          f"{summary['final_loss']:.3f}; {summary['parameters']} parameters; saved to {out}")
+          f"{summary['final_loss']:.3f}; {summary['parameters']} parameters")
     return summary
 
 
+class ModelError(ValueError):
+    """A --model directory that is not a loadable Hugging Face checkpoint; the message says why."""
+
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def check_model(path: str, weights: bool = True) -> None:
+    """Stop with one line naming `path` and its fault, before anything loads it, unless it holds a
+    config.json of a causal LM that transformers knows and (`weights`) safetensors whose headers
+    cover the files, and a tokenizer (without one, transformers 5 makes an empty one, silently)."""
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    where, root = f"--model {path}", Path(path)
+    if not (root / "config.json").is_file():
+        raise ModelError(f"{where}: no Hugging Face checkpoint there (no config.json)")
+    try:
+        config = json.loads((root / "config.json").read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelError(f"{where}: config.json is not JSON ({e})") from None
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if model_type is None:
+        raise ModelError(f"{where}: config.json has no model_type")
+    if model_type not in CONFIG_MAPPING or model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ModelError(f"{where}: config.json's model_type {model_type!r} is not a causal LM that this "
+                         f"transformers knows")
+    if not weights:
+        return
+    found = [name for name in WEIGHT_FILES if (root / name).is_file()]
+    if not found:
+        raise ModelError(f"{where}: no weights (none of {', '.join(WEIGHT_FILES)})")
+    shards = [root / found[0]] if found[0] == "model.safetensors" else []
+    if found[0] == "model.safetensors.index.json":
+        try:
+            shards = [root / name for name in sorted(set(json.loads((root / found[0]).read_text())["weight_map"].values()))]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
+            raise ModelError(f"{where}: model.safetensors.index.json is not a weight map") from None
+    from safetensors import SafetensorError, safe_open
+
+    for shard in shards:
+        try:
+            with safe_open(str(shard), framework="pt"):
+                pass
+        except (SafetensorError, OSError) as e:
+            raise ModelError(f"{where}: {shard.name} is unreadable, truncated? ({e})") from None
+    if not any((root / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelError(f"{where}: no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
+
+
+# What `python sft.py` may change without changing pi_SFT: where it goes, how batches are split.
+SFT_MAY_CHANGE = ("out_dir", "micro_batch_size")
+
+
+def sft_settings(cfg: SFTConfig) -> dict:
+    """What a cached pi_SFT is checked against: every other SFTConfig field, `steps` under
+    train.py's name for it (--sft-steps)."""
+    return {("sft_steps" if k == "steps" else k): v for k, v in asdict(cfg).items() if k not in SFT_MAY_CHANGE}
+
+
 def prepare_sft(cfg) -> str:
-    """The pi_SFT of a run (`train.py`'s first stage): `cfg.model` when given, else the built-in
-    task's cold start, trained once into <cfg.out_dir>/_shared/sft (`cfg.sft_steps` steps, None:
-    the default) and reused by every later run (a cached stage, `rundir.build_once`)."""
+    """The pi_SFT of a run (`train.py`'s first stage): `cfg.model` when given (checked), else the
+    built-in task's cold start, trained once into <cfg.out_dir>/_shared/sft (`cfg.sft_steps` steps,
+    None: the default) and reused by every later run whose settings it was made with (a cached
+    stage, `rundir.build_once`)."""
     if cfg.model is not None:
-        if not Path(cfg.model, "config.json").is_file():
-            raise FileNotFoundError(f"--model {cfg.model}: no Hugging Face checkpoint (config.json) there")
+        check_model(cfg.model)
         return cfg.model
     path = Path(cfg.out_dir) / "_shared" / "sft"
-    steps = cfg.sft_steps or SFTConfig.steps
+    wanted = SFTConfig(steps=cfg.sft_steps or SFTConfig.steps)
 
     def build(staging: str) -> None:
         if is_main():  # under torchrun rank 0 trains it once; the others wait for it
-            summary = train_sft(SFTConfig(out_dir=staging, steps=steps))
+            summary = train_sft(replace(wanted, out_dir=staging))
             (Path(staging) / "sft_summary.json").write_text(json.dumps({**summary, "out_dir": str(path)}, indent=2))
 
-    if not build_once(str(path), {"sft_steps": steps}, build, remedy="delete it to train a new one"):
-        print(f"SFT: reusing {path}")
+    built = build_once(str(path), sft_settings(wanted), build, remedy="delete it to train a new one")
+    print(f"SFT: {'saved to' if built else 'reusing'} {path}")  # the final name, not the staging one
     return str(path)
 
 
 def evaluate_task(model, tokenizer, problems: list[dict], max_new_tokens: int = 400, batch_size: int = 64,
-                  temperature: float = 1.0, seed: int = 0) -> dict:
-    """Sample one response per problem and report what pi_SFT does, graded by `verifier.rule_reward`."""
+                  temperature: float = 1.0, seed: int = 0, grader_timeout_s: float = 5.0) -> dict:
+    """Sample one response per problem and report what pi_SFT does, graded by a `verifier.Grader`
+    (a sample it cannot grade within `grader_timeout_s` counts as wrong)."""
     engine = HFRollout(model, tokenizer)
     rows = []
-    for i in range(0, len(problems), batch_size):
-        chunk = problems[i : i + batch_size]
-        ids = [tokenizer(p["prompt"], add_special_tokens=False)["input_ids"] for p in chunk]
-        batch = engine.generate(ids, max_new_tokens, temperature=temperature, seed=seed + i)
-        for p, text, n in zip(chunk, decode_responses(tokenizer, batch), batch.lengths.tolist()):
-            trace = task.parse_response(p["prompt"], text)
-            rows.append((p, trace, rule_reward(text, p["answer"]) > 0, n))
+    with Grader(num_workers=1, timeout_s=grader_timeout_s) as grader:
+        for i in range(0, len(problems), batch_size):
+            chunk = problems[i : i + batch_size]
+            ids = [tokenizer(p["prompt"], add_special_tokens=False)["input_ids"] for p in chunk]
+            batch = engine.generate(ids, max_new_tokens, temperature=temperature, seed=seed + i)
+            texts = decode_responses(tokenizer, batch)
+            outcomes = grader.grade(texts, [p["answer"] for p in chunk]).outcomes
+            for p, text, outcome, n in zip(chunk, texts, outcomes, batch.lengths.tolist()):
+                rows.append((p, task.parse_response(p["prompt"], text), outcome > 0, n))
     return summarize(rows)
 
 
@@ -258,6 +328,8 @@ class Args(SFTConfig):
     """seed of the held-out problems and of sampling"""
     threads: int = 1
     """torch CPU threads: on a shared 2-core machine 2 threads can be many times slower than 1"""
+    grader_timeout_s: float = 5.0
+    """a sample of the report whose grading takes longer counts as wrong"""
 
 
 if __name__ == "__main__":
@@ -266,6 +338,7 @@ if __name__ == "__main__":
     args = tyro.cli(Args)
     torch.set_num_threads(args.threads)
     train_sft(args)
+    print(f"SFT: saved to {args.out_dir}")
     if args.eval_problems:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -273,6 +346,6 @@ if __name__ == "__main__":
         policy = AutoModelForCausalLM.from_pretrained(args.out_dir)
         held_out = task.make_problems(args.eval_problems, args.eval_seed, args.min_difficulty, args.max_difficulty)
         t0 = time.time()
-        report = evaluate_task(policy, tok, held_out, seed=args.eval_seed)
+        report = evaluate_task(policy, tok, held_out, seed=args.eval_seed, grader_timeout_s=args.grader_timeout_s)
         print(format_report(report))
         print(f"(evaluation took {time.time() - t0:.0f} s)")

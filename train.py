@@ -28,7 +28,7 @@ import fsdp_utils
 import memory_plan
 import rundir
 from config import Config, ConfigError, launch_world_size, parse_config
-from critic import critic_loss, prepare_orm, response_values
+from critic import check_orm, critic_loss, load_value_model, prepare_orm, response_values
 from data import DataError, prepare_data, sample_prompts, stream_seed
 from evaluate import evaluate, evaluate_once
 from gae import decoupled_gae, grpo_advantages, length_adaptive_lambda
@@ -37,7 +37,7 @@ from ppo import kl_penalty, masked_mean, masked_whiten, micro_batched_forward, p
 from ppo import token_logprobs_and_entropy, update_model
 from rollout import HFRollout, VLLMRollout
 from sampling import Sampler, ScoredBatch
-from sft import prepare_sft
+from sft import ModelError, check_model, prepare_sft
 from value_pretrain import prepare_value_critic
 from verifier import Grader
 
@@ -208,19 +208,18 @@ def check_diverged(metrics: dict, models: dict) -> None:
         assert_finite(model.named_parameters(), f"{name} after the update")
 
 
-def shard(cfg, model, dist_info):
-    """FSDP2 wherever there is a process group: under torchrun, and in one process on a GPU (a group
-    of one rank), so one GPU trains in bf16 like many; FSDP2 places each shard on this rank's
-    device itself. One process on the CPU keeps the model whole, moved to the device."""
-    if not torch.distributed.is_initialized():
-        model = model.to(dist_info.device)
-    return fsdp_utils.shard_model(model, cfg.mixed_precision, cfg.activation_checkpointing, cfg.cpu_offload,
-                                  checkpoint_fraction=cfg.checkpoint_fraction, compile_layers=cfg.compile_layers)
-
-
 def load_actor(cfg, path: str, dist_info):
-    """pi_SFT as a causal LM."""
-    return shard(cfg, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), dist_info)
+    """pi_SFT as a causal LM (the actor, and the frozen reference policy of --kl-coef): sharded
+    under torchrun without a whole model on any rank; one process keeps it whole on its device."""
+    return fsdp_utils.load_pretrained(AutoModelForCausalLM, path, device=dist_info.device,
+                                      **fsdp_utils.shard_options(cfg))
+
+
+def load_critic(cfg, path: str, dist_info):
+    """The critic from pi_SFT (with a fresh head), the outcome reward model or a value-pretrained
+    critic, loaded as the actor is; a fresh head is drawn from the run's seed."""
+    return load_value_model(path, seed=stream_seed(cfg.seed, "critic/head", 0), device=dist_info.device,
+                            **fsdp_utils.shard_options(cfg))
 
 
 def build_engine(cfg, actor, path: str, tokenizer):
@@ -233,17 +232,21 @@ def build_engine(cfg, actor, path: str, tokenizer):
 
 
 def print_plan(cfg: Config) -> None:
-    """--plan: per-GPU memory of this config at torchrun's world size (16 when not under torchrun)."""
+    """--plan: per-GPU and per-node host memory of this config at torchrun's world size (16 when
+    not under torchrun, nodes of LOCAL_WORLD_SIZE or 8 GPUs), then what it needs at 8 and 16 GPUs."""
     shape = memory_plan.QWEN25_32B  # --plan without --model: the paper's model
-    if cfg.model is not None:
-        shape = memory_plan.ModelShape.from_config(AutoConfig.from_pretrained(prepare_sft(cfg)))  # checks --model
-    print(memory_plan.plan(
-        shape, launch_world_size(cfg),
+    if cfg.model is not None:  # only its config.json is read: no weights needed to plan
+        check_model(cfg.model, weights=False)
+        shape = memory_plan.ModelShape.from_config(AutoConfig.from_pretrained(cfg.model))
+    options = dict(
         tensor_parallel_size=cfg.tensor_parallel_size,
         micro_batch_tokens=cfg.micro_batch_tokens or cfg.micro_batch_size * (cfg.max_prompt_tokens + cfg.max_new_tokens),
         gpu_memory_utilization=cfg.gpu_memory_utilization, mixed_precision=cfg.mixed_precision,
         activation_checkpointing=cfg.activation_checkpointing, cpu_offload=cfg.cpu_offload,
-    ))
+        gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", 8)), reference_policy=bool(cfg.kl_coef),
+    )
+    print(memory_plan.plan(shape, launch_world_size(cfg), **options))
+    print("\n".join(memory_plan.needs(shape, **options)))
 
 
 def main(cfg: Config) -> dict:
@@ -257,8 +260,11 @@ def main(cfg: Config) -> dict:
     dist_info = fsdp_utils.init_distributed()
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
-    run_dir = rundir.prepare(cfg)
-
+    # Every input is checked (run directory, caches, model, data) before the run directory is
+    # written: a refused command leaves it as it was, and its corrected rerun is not blocked.
+    rundir.check(cfg)
+    if cfg.estimator == "gae" and cfg.critic_init == "rm":
+        check_orm(cfg)
     # The stages before PPO, each cached (rundir.build_once): pi_SFT, the ORM, value pretraining.
     sft_path = prepare_sft(cfg)
     tokenizer = AutoTokenizer.from_pretrained(sft_path)
@@ -266,11 +272,12 @@ def main(cfg: Config) -> dict:
     grader = Grader(num_workers=cfg.grader_workers, timeout_s=cfg.grader_timeout_s)
     models = {"actor": load_actor(cfg, sft_path, dist_info)}
     sampler = Sampler(cfg, build_engine(cfg, models["actor"], sft_path, tokenizer), tokenizer, grader)
+    run_dir = rundir.prepare(cfg)
     summary = {"sft": evaluate_once(sampler, eval_records, "sft", os.path.join(run_dir, "eval_sft.json"))}
     if cfg.estimator == "gae":  # GRPO has no critic
         critic_init = sft_path if cfg.critic_init == "sft" else prepare_orm(cfg, sft_path, sampler, train_records)
         models["critic"], pretrained = prepare_value_critic(cfg, run_dir, critic_init, sampler, train_records,
-                                                            place=functools.partial(shard, cfg, dist_info=dist_info))
+                                                            load=functools.partial(load_critic, cfg, dist_info=dist_info))
         if pretrained is not None:
             summary["value_pretrain"] = pretrained
 
@@ -317,8 +324,10 @@ def print_summary(summary: dict, run_dir: str) -> None:
         print(f"{stage:<16}" + "".join(f"{summary[stage].get(c, float('nan')):>13.3f}" for c in cols))
     if "value_pretrain" in summary:
         vp = summary["value_pretrain"]
+        ev = vp["explained_variance"]  # None (read back) or NaN when every return was equal
+        ev = "undefined (all returns equal)" if ev is None or math.isnan(ev) else f"{ev:.3f}"
         print(f"value pretraining: final value loss {vp['value_loss']:.4f}, "
-              f"explained variance {vp['explained_variance']:.3f} after {vp['step'] + 1} steps")
+              f"explained variance {ev} after {vp['step'] + 1} steps")
     print(f"\nwrote {run_dir}/: config.json, metrics.jsonl, TensorBoard events, checkpoint/, eval_sft.json, "
           f"summary.json")
 
@@ -327,6 +336,7 @@ if __name__ == "__main__":
     try:
         main(parse_config(sys.argv[1:], description=__doc__))
     # Bad settings or input, a diverged model, an unreadable checkpoint: the message says which and where.
-    except (ConfigError, DataError, FileNotFoundError, FloatingPointError, fsdp_utils.CheckpointError) as err:
+    except (ConfigError, DataError, ModelError, FileNotFoundError, FloatingPointError,
+            fsdp_utils.CheckpointError) as err:
         sys.exit(f"error: {err}")
     fsdp_utils.exit_now_if_gloo()  # torchrun on CPU: see there why

@@ -20,13 +20,13 @@ import os
 import torch
 from tqdm import tqdm
 
-from critic import critic_loss, load_value_model, response_values
+from critic import critic_loss, response_values
 from data import sample_prompts, stream_seed
 from fsdp_utils import (export_hf_checkpoint, is_main, latest_checkpoint, load_checkpoint, reduce_metrics,
                         remove_checkpoint, save_checkpoint)
 from gae import compute_gae
 from ppo import assert_finite, check_masked_inputs, explained_variance, micro_batched_forward, update_model
-from rundir import build_once
+from rundir import build_once, json_safe
 from sampling import Sampler
 
 # What the pretrained critic depends on beyond the run directory's own config.json.
@@ -97,28 +97,28 @@ def pretrain_value(cfg, critic, critic_optimizer, sampler: Sampler, records: lis
     export_hf_checkpoint(critic, None, os.path.join(out_dir, "critic"))  # collective under torchrun
     if is_main():
         with open(os.path.join(out_dir, "curve.jsonl"), "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in history)
+            f.writelines(json.dumps(json_safe(r), allow_nan=False) + "\n" for r in history)  # NaN -> null
     remove_checkpoint(ckpt)  # the exported critic supersedes it
     return history
 
 
-def prepare_value_critic(cfg, run_dir: str, init_path: str, sampler: Sampler, records: list[dict], place):
+def prepare_value_critic(cfg, run_dir: str, init_path: str, sampler: Sampler, records: list[dict], load):
     """The critic PPO starts from, and the last row of its pretraining curve (None without
-    pretraining). `init_path`: pi_SFT (a fresh head) or the ORM; `place` puts a model on this
-    rank's device (FSDP under torchrun). Pretraining is a cached stage of the run directory
+    pretraining). `init_path`: pi_SFT (a fresh head) or the ORM; `load(path)` loads a critic onto
+    this rank's device (sharded under torchrun: `train.load_critic`). Pretraining is a cached stage of the run directory
     (<run_dir>/value_pretrain, `rundir.build_once`), resumable from its checkpoint."""
     if cfg.value_pretrain_steps == 0:
-        return place(load_value_model(init_path)), None
+        return load(init_path), None
     path, critic = os.path.join(run_dir, "value_pretrain"), None
 
     def build(staging: str) -> None:
         nonlocal critic
-        critic = place(load_value_model(init_path))
+        critic = load(init_path)
         optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr, weight_decay=0.0)
         pretrain_value(cfg, critic, optimizer, sampler, records, staging)
 
     if not build_once(path, {k: getattr(cfg, k) for k in VALUE_PRETRAIN_SETTINGS}, build):
-        critic = place(load_value_model(os.path.join(path, "critic")))  # pretrained by an earlier run here
+        critic = load(os.path.join(path, "critic"))  # pretrained by an earlier run here
     curve = os.path.join(path, "curve.jsonl")
     if not os.path.exists(curve):
         return critic, None

@@ -1,7 +1,9 @@
 """The rule-based verifier (paper §4 setup): the paper's only training reward.
 
 - `rule_reward`: +1 if the last `\\boxed{}` / `\\fbox{}` of the response is mathematically equivalent
-  to the ground truth (math-verify), else -1: the outcome of a response.
+  to the ground truth (math-verify), else -1: the outcome of a response. Digits are ASCII:
+  `\\boxed{١٢٣٤}` or full-width `\\boxed{１２３４}` is not 1234 (math-verify reads neither as a number),
+  and matches only a ground truth written the same way.
 - `Grader`: the same outcome for a batch, in worker processes with a hard per-item timeout, because
   math-verify can hang (its own timeout is signal-based, main-thread only, and cannot interrupt
   C-level big-integer arithmetic such as `9^{9^{9^{9}}}`).
@@ -11,6 +13,7 @@ No torch here: each grader worker runs this file as its own program and stays li
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import math
@@ -29,7 +32,9 @@ from math_verify import parse, verify
 logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 _BOX_OPEN = re.compile(r"\\(?:boxed|fbox)\s*\{")
-_PLAIN_INT = re.compile(r"-?\d{1,50}")
+# ASCII digits only: math-verify reads Arabic-Indic (١٢٣٤) or full-width (１２３４) digits as no
+# number at all, and the fast path must not decide otherwise than math-verify would.
+_PLAIN_INT = re.compile(r"-?[0-9]{1,50}")
 
 
 def last_boxed(text: str) -> str | None:
@@ -88,23 +93,25 @@ def _math_equal(answer: str, gold: str) -> bool:
         return False
 
 
-def rule_reward(response: str, ground_truth: str) -> float:
+_rule_reward_grader = None  # rule_reward's own Grader, started at its first call
+
+
+def rule_reward(response: str, ground_truth: str, timeout_s: float = 5.0) -> float:
     """+1.0 if the response's last box equals the ground truth mathematically, else -1.0.
 
     Only `response` is graded, so callers pass the response text alone (a box in the prompt must not
-    count). Never raises. No timeout here: grade untrusted text with `Grader`.
+    count). Never raises on any response, and never takes much longer than `timeout_s`: math-verify
+    runs in the worker of a one-worker `Grader`, started at the first call and kept for the next
+    ones, and an answer it cannot grade in time scores -1. Batches: use a `Grader` of their own.
     """
-    try:
-        answer = last_boxed(response)
-        if answer is None:
-            return -1.0
-        gold = _gold_text(ground_truth)
-        verdict = _fast_verdict(answer, gold)
-        if verdict is None:
-            verdict = _math_equal(answer, gold)
-        return 1.0 if verdict else -1.0
-    except Exception:
-        return -1.0
+    global _rule_reward_grader
+    if not 0 < timeout_s < math.inf:
+        raise ValueError(f"rule_reward: timeout_s must be finite and > 0, got {timeout_s}")
+    if _rule_reward_grader is None:
+        _rule_reward_grader = Grader(num_workers=1, timeout_s=timeout_s)
+        atexit.register(_rule_reward_grader.close)
+    _rule_reward_grader.timeout_s = timeout_s
+    return _rule_reward_grader.grade([response], [ground_truth]).outcomes[0]
 
 
 @dataclasses.dataclass
@@ -160,8 +167,8 @@ class Grader:
     """
 
     def __init__(self, num_workers: int = 2, timeout_s: float = 5.0, max_chunk: int = 32):
-        if num_workers < 1 or timeout_s <= 0 or max_chunk < 1:
-            raise ValueError(f"Grader: need num_workers >= 1, timeout_s > 0, max_chunk >= 1; got "
+        if num_workers < 1 or not 0 < timeout_s < math.inf or max_chunk < 1:
+            raise ValueError(f"Grader: need num_workers >= 1, finite timeout_s > 0, max_chunk >= 1; got "
                              f"{num_workers}, {timeout_s}, {max_chunk}")
         self.timeout_s, self.max_chunk = timeout_s, max_chunk
         self.workers = [_Worker() for _ in range(num_workers)]  # they warm up while the caller works

@@ -199,7 +199,8 @@ def aggregate(results: dict[str, list[dict]]) -> dict:
                           "min_train_length": mean_std(lowest),
                           "first_ev": mean_std(first_ev) if "grpo" not in VARIANTS[variant][0] else (float("nan"),) * 2}
         steps = min(len(s["metrics"]) for s in seeds)
-        curves[variant] = {key: np.array([[r[key] for r in s["metrics"][:steps]] for s in seeds]) for key, _ in CURVES}
+        curves[variant] = {key: np.array([[r[key] for r in s["metrics"][:steps]] for s in seeds], dtype=float)
+                           for key, _ in CURVES}  # dtype=float: a null (undefined) metric reads as NaN
     return {"table": table, "curves": curves}
 
 

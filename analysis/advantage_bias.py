@@ -115,8 +115,9 @@ def build_missing(args: Args, cfg, paths: dict, sampler: Sampler, records) -> No
     if args.critic is None and not os.path.exists(paths["pretrained"]) and cfg.value_pretrain_steps > 0:
         run_dir = rundir.prepare(cfg)  # the run directory records the settings of what goes in it
         critic_init = paths["sft"] if cfg.critic_init == "sft" else prepare_orm(cfg, paths["sft"], sampler, records)
-        torch.manual_seed(cfg.seed)  # the fresh head, as in train.main
-        prepare_value_critic(cfg, run_dir, critic_init, sampler, records, place=lambda model: model.to(local_device()))
+        fresh_head = stream_seed(cfg.seed, "critic/head", 0)  # as train.load_critic draws it
+        prepare_value_critic(cfg, run_dir, critic_init, sampler, records,
+                             load=lambda path: load_value_model(path, seed=fresh_head, device=local_device()))
 
 
 def sample_rollouts(args: Args, cfg, sampler: Sampler, records) -> list:

@@ -57,8 +57,8 @@ def read_curve(run: Path) -> Curve:
         if not line.strip():
             continue
         try:
-            row = json.loads(line)  # json reads NaN, as json.dumps wrote it
-            rows.append([float(row[k]) for k in KEYS])
+            row = json.loads(line)
+            rows.append([math.nan if row[k] is None else float(row[k]) for k in KEYS])  # null: undefined
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
             raise ValueError(f"{path}:{lineno}: not a curve row with {', '.join(KEYS)} ({err})") from None
     if not rows:

@@ -1,7 +1,7 @@
 """Model FLOPs utilisation of the PPO actor update on one GPU (a CUDA benchmark).
 
 The update is `ppo.update_model` with `train.actor_loss` on a Qwen2.5-1.5B-shaped model with
-random weights (built on the GPU), prepared as `train.py` prepares it (`train.shard`: FSDP2 over a
+random weights (built on the GPU), prepared as `train.py` prepares it (`fsdp_utils.shard_model`: FSDP2 over a
 group of one rank, bf16 compute with float32 parameters and reduction, activation checkpointing).
 The batch: --rows responses of --prompt-tokens prompt tokens and ragged response lengths, drawn
 uniformly from [3/4, 1] x --response-tokens. It is timed against a bare step on the same
@@ -101,7 +101,7 @@ def main(argv=None) -> dict:
     if args.dry_run:
         torch.set_num_threads(1)  # a tiny model on a shared CPU: one thread is fastest
     prompt_tokens, response_tokens = (16, 48) if args.dry_run else (args.prompt_tokens, args.response_tokens)
-    info = fsdp_utils.init_distributed()  # one GPU: a group of one rank, so train.shard takes FSDP2
+    info = fsdp_utils.init_distributed()  # one GPU: a group of one rank, so shard_model takes FSDP2
     cfg = Config(ppo_epochs=1, num_minibatches=1, micro_batch_size=args.micro_batch_size,
                  micro_batch_tokens=args.micro_batch_tokens, logprob_chunk_tokens=args.logprob_chunk_tokens,
                  mixed_precision=info.device.type == "cuda", activation_checkpointing=args.activation_checkpointing,
@@ -112,7 +112,7 @@ def main(argv=None) -> dict:
     torch.manual_seed(0)
     with torch.device(info.device):
         model = Qwen2ForCausalLM(model_config)
-    model = train.shard(cfg, model, info)
+    model = fsdp_utils.shard_model(model, **fsdp_utils.shard_options(cfg))
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-7)
     batch, rows = ragged_batch(shape["vocab_size"], args.rows, prompt_tokens, response_tokens, info.device)

@@ -7,17 +7,23 @@ import numpy as np
 import pytest
 import torch
 
+import rundir
 import task
 from analysis import advantage_bias, value_pretrain_curves
+from config import parse_config
 from critic import load_value_model
 
 RUN = "tinyrun"
+# train.py's flags of that run (a micro one)
+FLAGS = ["--run-name", RUN, "--task-train-size", "16", "--task-eval-size", "4", "--max-new-tokens", "20",
+         "--grader-workers", "1"]
 
 
 @pytest.fixture(scope="module")
 def run_root(tmp_path_factory):
     """<root>/_shared/{sft,orm} and <root>/tinyrun/value_pretrain/{critic/,curve.jsonl}, as train.py lays them out."""
     root = tmp_path_factory.mktemp("runs")
+    rundir.prepare(parse_config(["--out-dir", str(root), *FLAGS]))  # the run's config.json
     tokenizer = task.build_tokenizer()
     sft = root / "_shared" / "sft"
     task.make_tiny_model(tokenizer, num_layers=2, intermediate_size=256).save_pretrained(sft)
@@ -33,10 +39,8 @@ def run_root(tmp_path_factory):
 
 def run_bias(root, out, **kw):
     """advantage_bias.main with train.py flags of a micro run under `root`."""
-    flags = ["--out-dir", str(root), "--run-name", RUN, "--task-train-size", "16", "--task-eval-size", "4",
-             "--max-new-tokens", "20", "--grader-workers", "1"]
     args = advantage_bias.Args(**{"out": out, "rollouts": 6, "batch_size": 4, "bin_size": 4, **kw})
-    return advantage_bias.main(args, flags)
+    return advantage_bias.main(args, ["--out-dir", str(root), *FLAGS])
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +115,7 @@ def write_curve(run_dir, rows):
 def test_value_pretrain_curves_reads_values_back_exactly_and_writes_both_files(tmp_path):
     rows_a = [{"step": s, "value_loss": 1.0 / (s + 1), "explained_variance": s / 10 - 0.05, "reward_mean": -0.5}
               for s in range(6)]
-    rows_b = [{"step": 0, "value_loss": 0.7, "explained_variance": float("nan")},
+    rows_b = [{"step": 0, "value_loss": 0.7, "explained_variance": None},  # undefined, as pretrain_value writes it
               {"step": 1, "value_loss": 0.9, "explained_variance": 0.2}]
     write_curve(tmp_path / "runs" / "a", rows_a)
     write_curve(tmp_path / "runs" / "b", rows_b)

@@ -193,3 +193,16 @@ def test_each_held_out_record_is_evaluated_once_over_equal_rank_shares(n_records
     counted = sorted(i for mine, counts in shares for i, c in zip(mine, counts) if c)
     assert counted == list(range(n_records))
     assert shares[0] == (list(range(0, n_records, world)), [True] * len(range(0, n_records, world)))
+
+
+def test_a_line_cut_short_is_reported_at_its_real_column(tmp_path):
+    """The newline is not part of the record: an error at the line's end is not "column 1" of the next."""
+    cut = json.dumps(GOOD[0])[:-1]  # the closing brace lost
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join([json.dumps(GOOD[1]), cut, json.dumps(GOOD[2])]) + "\n")
+    with pytest.raises(DataError, match=rf"d\.jsonl:2: malformed JSON \(Expecting ',' delimiter: the line ends at "
+                                        rf"column {len(cut)}, cut short\?\)"):
+        load_records(path, char_tokenizer())
+    path.write_text(json.dumps(GOOD[1]) + "\n" + '{"prompt": "x", "answer": y}\n')
+    with pytest.raises(DataError, match=r"d\.jsonl:2: malformed JSON \(Expecting value: column 27 of 28\)"):
+        load_records(path, char_tokenizer())

@@ -24,7 +24,8 @@ WEIGHT_ATOL = 1e-5
 
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory):
-    return run_torchrun("fsdp_worker.py", str(tmp_path_factory.mktemp("fsdp")))[0]
+    out_dir = tmp_path_factory.mktemp("fsdp")
+    return run_torchrun("fsdp_worker.py", str(out_dir))[0] | {"out_dir": out_dir}
 
 
 @pytest.mark.slow
@@ -63,6 +64,50 @@ def test_export_from_sharded_model_loads_as_same_hf_weights(fsdp_run):
     r = fsdp_run["export"]
     assert r["weight_max_diff"] == 0.0 and r["tied"]
     assert "model.safetensors.index.json" in r["files"] and "tokenizer.json" in r["files"]
+
+
+@pytest.mark.slow
+def test_sharded_loading_reads_each_ranks_shards_exactly_from_the_checkpoint(fsdp_run):
+    r = fsdp_run["loading"]
+    assert r["sharded"] and r["files"] >= 3  # FSDP2 parameters, from a checkpoint in several files
+    assert r["differ"] == {"actor": [], "critic": [], "value": []} and r["checked"] > 20  # bitwise, bf16 -> fp32
+    assert r["tied"]  # the head is still the embedding
+    assert r["rotary_max_diff"] == 0.0  # the non-persistent buffer was recomputed, not left as garbage
+    assert r["logits_max_diff"]["actor"] <= 1e-6 and r["logits_max_diff"]["value"] <= 1e-6
+    assert r["eval_mode"]
+
+
+@pytest.mark.slow
+def test_orm_training_on_two_ranks_matches_one_process(fsdp_run):
+    from critic import load_value_model
+    from dist_workers.common import ORM_LABELS, orm_batch
+    from critic import train_orm
+
+    single = load_value_model(str(fsdp_run["out_dir"] / "orm_init"))  # the sharded run's starting weights
+    history = train_orm(single, [orm_batch([0, 1, 2, 3])], [ORM_LABELS], steps=3, lr=1e-3)
+    for h, sharded in zip(history, fsdp_run["orm"]):  # loss, sign accuracy, gradient norm per step
+        assert sharded == pytest.approx([h["orm/loss"], h["orm/sign_accuracy"], h["orm/grad_norm"]], rel=LOSS_RTOL)
+    assert history[-1]["orm/loss"] < history[0]["orm/loss"]  # it did train
+    trained = load_value_model(str(fsdp_run["out_dir"] / "orm_trained"))
+    weights = dict(trained.named_parameters())
+    assert max((p - weights[n]).abs().max().item() for n, p in single.named_parameters()) <= WEIGHT_ATOL
+
+
+@pytest.mark.slow
+def test_sharded_fresh_value_head_is_the_single_process_head_of_the_same_seed(fsdp_run):
+    from critic import load_value_model
+    from data import stream_seed
+
+    single = load_value_model(str(fsdp_run["out_dir"] / "bf16"), seed=stream_seed(7, "critic/head", 0))
+    head = single.score.weight.flatten().tolist() + single.score.bias.tolist()
+    assert fsdp_run["loading"]["head"] == head and any(head)
+
+
+@pytest.mark.slow
+def test_sharded_loading_names_what_is_wrong_with_a_checkpoint(fsdp_run):
+    errors = fsdp_run["loading"]["errors"]
+    assert "no tensor model.norm.weight in the checkpoint" in errors["broken"]
+    assert "no model.safetensors or model.safetensors.index.json" in errors["no_safetensors"]
 
 
 EXIT_WORKER = """
@@ -213,3 +258,55 @@ def test_selective_checkpointing_and_compiled_layers_keep_the_parameter_names():
     assert [n for n, _ in model.named_parameters()] == names
     with pytest.raises(ValueError, match="checkpoint_fraction"):
         shard_model(model, activation_checkpointing=True, checkpoint_fraction=0.0)
+
+
+def test_memory_plan_host_constants_are_the_codes():
+    import inspect
+
+    import memory_plan
+
+    assert memory_plan.READ_BYTES == fsdp_utils.READ_BYTES
+    assert memory_plan.EXPORT_SHARD_BYTES == inspect.signature(export_hf_checkpoint).parameters["shard_bytes"].default
+
+
+def test_memory_plan_host_per_node_holds_read_buffers_not_whole_models():
+    from memory_plan import GIB, QWEN25_32B, needs, plan
+
+    sharded = {name: values for name, *values in plan(QWEN25_32B, world_size=16).host_rows}
+    assert sharded["loading: each rank's read buffer (2 x 64 MiB)"][0] == 8 * 128 / 1024  # GiB, 8 ranks per node
+    assert plan(QWEN25_32B, world_size=16).host_peak_gib < 10  # the HF export's 4 GiB file + one fp32 tensor
+    single = plan(QWEN25_32B, world_size=4, tensor_parallel_size=1, gpus_per_node=1)
+    assert single.host_rows[0][1] == 0.125  # one rank per node
+    one_process = plan(QWEN25_32B, world_size=1, tensor_parallel_size=1)
+    assert one_process.host_peak_gib == pytest.approx(32_763_876_352 * 6 / GIB)  # whole fp32 model + bf16 pages
+    offloaded = plan(QWEN25_32B, world_size=8, cpu_offload=True)
+    states = (QWEN25_32B.params() + QWEN25_32B.params(value_head=True)) * 16 / GIB  # params, grads, 2 AdamW
+    export = 4 + 152064 * 5120 * 4 / GIB  # rank 0's 4 GiB file + the fp32 embedding
+    assert offloaded.host_peak_gib == pytest.approx(states + export)  # one node holds all the states
+    at_8, at_16 = needs(QWEN25_32B)
+    assert at_8.startswith("at 8 GPUs (1 node of 8)") and "does NOT fit" in at_8
+    assert at_16.startswith("at 16 GPUs (2 nodes of 8)") and "(fits)" in at_16 and "host" in at_16
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_the_update_recomputes_activations_only_with_activation_checkpointing(checkpointing):
+    """Hugging Face recomputes a layer in the backward pass only in training mode, and loaded models
+    are in eval mode: update_model trains in training mode, so --activation-checkpointing takes
+    effect (each layer runs twice per micro-batch), and leaves the model in eval mode after."""
+    import train
+    from config import Config
+    from ppo import update_model
+    from rollout import HFRollout
+
+    tokenizer, model = tiny_actor()
+    model.eval()
+    cfg = Config(num_minibatches=1, micro_batch_size=2, prompts_per_step=2, samples_per_prompt=1)
+    batch = HFRollout(model, tokenizer).generate([tokenizer("S:12").input_ids] * 2, 6, seed=0)
+    per_token = {"old_logprobs": batch.logprobs, "advantages": batch.response_mask.clone()}
+    model = shard_model(model, activation_checkpointing=checkpointing)
+    calls, mlp = [], model.model.layers[0].mlp
+    forward = mlp.forward  # counted directly: the recompute runs no module hooks
+    mlp.forward = lambda *args, **kwargs: (calls.append(1), forward(*args, **kwargs))[1]
+    update_model(cfg, model, torch.optim.SGD(model.parameters(), lr=0.0), batch, per_token, train.actor_loss,
+                 seed=0, prefix="actor")
+    assert len(calls) == (2 if checkpointing else 1) and not model.training

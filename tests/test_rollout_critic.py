@@ -1,10 +1,15 @@
 """The rollout layout (README "Tensor layout") and the critic's reading positions."""
 
+import logging
+import re
+import shutil
+
 import pytest
 import torch
 
 import task
 from critic import load_value_model, response_values, value_outputs
+from fsdp_utils import CheckpointError
 from ppo import assert_finite, response_logprobs
 from rollout import HFRollout, decode_responses, left_pad
 
@@ -168,3 +173,30 @@ def test_micro_batches_fill_a_token_budget_and_match_other_ranks_counts(monkeypa
     micro = list(batch.micro_batches(torch.arange(7), 1, max_tokens=20))
     assert sorted(len(rows) for rows, _ in micro) == [1, 1, 1, 1, 1, 2]
     assert sorted(r for rows, _ in micro for r in rows.tolist()) == list(range(7))
+
+
+def test_a_fresh_value_head_is_said_in_one_line_and_any_other_missing_tensor_stops(policy, tmp_path, capsys):
+    """transformers' red LOAD REPORT table ("score.weight MISSING") is expected for the critic
+    made from pi_SFT and said in one line; a checkpoint missing anything else stops with its name
+    (as the sharded loader does), instead of training a randomly initialised tensor."""
+    from safetensors.torch import load_file, save_file
+
+    reports = []
+    handler = logging.Handler()
+    handler.emit = lambda record: reports.append(record.getMessage())
+    logging.getLogger("transformers.modeling_utils").addHandler(handler)
+    try:
+        _, _, path = policy
+        load_value_model(path)
+        assert not [r for r in reports if "LOAD REPORT" in r]
+        assert f"critic: a fresh value head (score.weight, score.bias) on the backbone of {path}" in capsys.readouterr().out
+        shutil.copytree(path, tmp_path / "broken", dirs_exist_ok=True)
+        weights = load_file(str(tmp_path / "broken" / "model.safetensors"))
+        lost = next(k for k in weights if "mlp.up_proj" in k)
+        del weights[lost]
+        save_file(weights, str(tmp_path / "broken" / "model.safetensors"), metadata={"format": "pt"})
+        with pytest.raises(CheckpointError, match=f"no tensor {re.escape(lost)} in the checkpoint"):
+            load_value_model(str(tmp_path / "broken"))
+        assert "fresh value head" not in capsys.readouterr().out
+    finally:
+        logging.getLogger("transformers.modeling_utils").removeHandler(handler)

@@ -1,4 +1,6 @@
 """SFT cold start (sft.py): response-only loss, token-mean accumulation, a smoke run, the report."""
+
+import json
 import random
 from types import SimpleNamespace
 
@@ -86,13 +88,34 @@ def test_evaluate_task_samples_and_parses_an_untrained_model():
     assert 0 < report["mean_length"] <= 8
 
 
-def test_prepare_sft_trains_once_then_reuses_the_cache(tmp_path, monkeypatch):
+def test_prepare_sft_trains_once_then_reuses_the_cache(tmp_path, monkeypatch, capsys):
     cfg = SimpleNamespace(model=None, out_dir=str(tmp_path), sft_steps=2)
     path = sft.prepare_sft(cfg)
+    logged = capsys.readouterr().out
+    assert f"SFT: saved to {path}" in logged and "sft.partial" not in logged  # where it is, not where it was
     assert path == str(tmp_path / "_shared" / "sft") and (tmp_path / "_shared" / "sft" / "sft_summary.json").exists()
     assert not (tmp_path / "_shared" / "sft.partial").exists()
     monkeypatch.setattr(sft, "train_sft", lambda *a, **k: pytest.fail("the cached pi_SFT was retrained"))
     assert sft.prepare_sft(cfg) == path
     assert sft.prepare_sft(SimpleNamespace(model=path, out_dir="elsewhere", sft_steps=2)) == path
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(sft.ModelError, match="no Hugging Face checkpoint there"):
         sft.prepare_sft(SimpleNamespace(model=str(tmp_path), out_dir=str(tmp_path), sft_steps=2))
+
+
+def test_a_cached_pi_sft_is_reused_only_with_the_settings_it_records(tmp_path):
+    """`python sft.py` writes the cache train.py reuses: its settings decide, and a cache without
+    them (a killed or older sft.py) is refused, never taken as it is."""
+    from config import ConfigError
+
+    cache = tmp_path / "_shared" / "sft"
+    sft.train_sft(sft.SFTConfig(out_dir=str(cache), steps=2, micro_batch_size=2))  # as `python sft.py` does
+    assert sft.prepare_sft(SimpleNamespace(model=None, out_dir=str(tmp_path), sft_steps=2)) == str(cache)
+    with pytest.raises(ConfigError, match=r"sft was made with other settings \(--sft-steps 2 -> 3\)"):
+        sft.prepare_sft(SimpleNamespace(model=None, out_dir=str(tmp_path), sft_steps=3))
+    settings = json.loads((cache / "settings.json").read_text())
+    (cache / "settings.json").write_text(json.dumps({**settings, "lr": 1e-2, "num_layers": 2}))
+    with pytest.raises(ConfigError, match=r"\(--lr 0.01 -> 0.003, --num-layers 2 -> 3\)"):
+        sft.prepare_sft(SimpleNamespace(model=None, out_dir=str(tmp_path), sft_steps=2))
+    (cache / "settings.json").unlink()
+    with pytest.raises(ConfigError, match="holds no settings.json"):
+        sft.prepare_sft(SimpleNamespace(model=None, out_dir=str(tmp_path), sft_steps=2))

@@ -1,6 +1,7 @@
 """verifier.py: verdicts on Math-Verify's own cases, the grader pool and its timeout."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -73,14 +74,11 @@ def test_boxed_ground_truth_is_unwrapped():
     assert rule_reward("\\boxed{0.25}", "$\\boxed{\\frac14}$") == 1.0
 
 
-def test_fast_path_decides_without_math_verify(monkeypatch):
-    def fail(*_):
-        raise AssertionError("math-verify called")
-
-    monkeypatch.setattr(verifier, "_math_equal", fail)
-    assert rule_reward("\\boxed{ 1 2 3 }", "1 2   3") == 1.0
-    assert rule_reward("\\boxed{0042}", "42") == 1.0
-    assert rule_reward("\\boxed{-41}", "42") == -1.0
+def test_fast_path_decides_without_math_verify():
+    assert verifier._fast_verdict("1 2 3", "1 2   3") is True
+    assert verifier._fast_verdict("0042", "42") is True
+    assert verifier._fast_verdict("-41", "42") is False
+    assert verifier._fast_verdict("\\frac12", "0.5") is None  # left to math-verify
 
 
 def test_rule_reward_never_raises_on_garbage():
@@ -146,3 +144,55 @@ def test_grader_workers_do_not_load_torch():
 
 def test_the_math_verify_cases_are_all_there():
     assert len(CASES) == 80 and all({"gold", "response", "equal"} <= set(c) for c in CASES)
+
+
+def test_rule_reward_bounds_its_own_time_on_answers_that_hang_math_verify():
+    """Each of these ran past 30 s in math-verify; rule_reward scores each -1 after its timeout.
+    In a subprocess, so that an unbounded rule_reward fails the test instead of hanging it."""
+    code = """
+import sys, time
+import verifier
+hostile = ["\\\\boxed{9^{9^{9}}}", "\\\\boxed{9^{9^{9^{9}}}}", "\\\\boxed{" + "{" * 10_000 + "1" + "}" * 10_000 + "}",
+           "\\\\boxed{" + "+".join(["1"] * 500_000) + "}", "\\\\boxed{" + "(" * 3000 + "1" + ")" * 3000 + "}"]
+assert verifier.rule_reward("\\\\boxed{\\\\frac12}", "0.5") == 1.0  # its worker is up
+for answer in hostile:
+    t0 = time.monotonic()
+    assert verifier.rule_reward(answer, "1", timeout_s=1.0) == -1.0
+    print(time.monotonic() - t0)
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(verifier.__file__).parent, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    # The 1 s timeout, plus the start of the worker that replaces a killed one (~2 s on a busy CPU).
+    assert all(float(s) < 10.0 for s in done.stdout.split()), done.stdout
+
+
+def test_the_sft_report_grades_through_a_grader_with_a_timeout(monkeypatch):
+    import sft
+    import task
+
+    tokenizer = task.build_tokenizer()
+    model = task.make_tiny_model(tokenizer, num_layers=1, intermediate_size=64, seed=0)
+    monkeypatch.setattr(sft, "decode_responses", lambda tokenizer, batch: [HANG, "\\boxed{5}"][: len(batch)])
+    problems = [{**task.make_problems(1, seed=3)[0], "answer": "5"} for _ in range(2)]
+    t0 = time.monotonic()
+    report = sft.evaluate_task(model, tokenizer, problems, max_new_tokens=2, grader_timeout_s=1.0)
+    assert report["accuracy"] == 0.5 and time.monotonic() - t0 < 15  # the hang scored -1, the 5 +1
+
+
+def test_unicode_digits_are_left_to_math_verify_which_reads_no_number():
+    """Decided: digits are ASCII. The fast path must not grade `١٢٣٤` (Arabic-Indic) or `１２３４`
+    (full-width) equal to 1234 when math-verify, which decides everything else, does not."""
+    for answer in ("١٢٣٤", "１２３４"):
+        assert verifier._fast_verdict(answer, "1234") is None and not verifier._math_equal(answer, "1234")
+        assert rule_reward(f"\\boxed{{{answer}}}", "1234") == -1.0
+        assert rule_reward(f"\\boxed{{{answer}}}", answer) == 1.0  # written as the ground truth is
+
+
+def test_grader_and_rule_reward_refuse_an_infinite_timeout():
+    """wait(timeout=inf) raises OverflowError at the first item that needs math-verify."""
+    for bad in (math.inf, math.nan, 0.0):
+        with pytest.raises(ValueError, match="timeout_s"):
+            Grader(num_workers=1, timeout_s=bad)
+        with pytest.raises(ValueError, match="timeout_s"):
+            rule_reward("\\boxed{1}", "1", timeout_s=bad)

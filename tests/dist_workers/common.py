@@ -67,3 +67,20 @@ def run_torchrun(script: str, out_dir: str, *args: str, nproc: int = 2, timeout:
 def write_result(out_dir: str, rank: int, result: dict) -> None:
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f, indent=1)
+
+
+# The outcome reward model's training data in the torchrun test: 4 prompts of 4 tokens with
+# responses of 1-8 tokens, labelled +-1.
+ORM_LABELS = torch.tensor([1.0, -1.0, -1.0, 1.0])
+
+
+def orm_batch(rows: list[int]):
+    """Rows of the ORM test batch as a RolloutBatch (the worker takes its rank's, the test all)."""
+    from rollout import RolloutBatch
+
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 70, (4, 12), generator=g)
+    response_mask = (torch.arange(8) < torch.tensor([5, 1, 8, 3])[:, None]).float()[rows]
+    return RolloutBatch(prompt_ids=ids[rows, :4], prompt_mask=torch.ones(len(rows), 4, dtype=torch.long),
+                        response_ids=ids[rows, 4:] * response_mask.long(), response_mask=response_mask,
+                        logprobs=torch.zeros(len(rows), 8), finish_reasons=["stop"] * len(rows))

@@ -1,12 +1,18 @@
 """torchrun worker for tests/test_distributed.py (2 CPU ranks, gloo).
 
 1. One FSDP2 step (activation checkpointing on) on half the global batch per rank against one
-   unsharded process on the whole batch: loss and updated weights, actor and critic.
+   unsharded process on the whole batch: loss and updated weights, actor and critic, both loaded
+   sharded from the actor's checkpoint as train.py loads them.
 2. A sharded checkpoint written on both ranks resumes to the same weights and optimizer state,
    and the next step from it matches the next step of the run that wrote it.
 3. `export_hf_checkpoint` of the sharded actor loads in Hugging Face as the same weights.
 4. Advantage whitening and logged metrics over the two ranks' rows equal those of one process.
 5. Hugging Face sampling draws differently on each rank for the same seed.
+6. Sharded loading (train.load_actor, train.load_critic): each rank's shards of a bf16 checkpoint in
+   several files, and of a value model, equal the checkpoint's tensors; the head stays tied, the
+   rotary buffers are recomputed, outputs equal the unsharded model's; bad checkpoints are named.
+7. The outcome reward model's training (critic.train_orm) on each rank's half of a batch, for the
+   test to compare with one process on the whole batch.
 Each rank writes rank<r>.json into argv[1]; the test asserts on the numbers.
 """
 
@@ -15,14 +21,17 @@ import sys
 
 import torch
 from torch.distributed.tensor import DTensor
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from common import tiny_actor, write_result
 from critic import load_value_model
-from fsdp_utils import (all_reduce, close_distributed, exit_now_if_gloo, export_hf_checkpoint, init_distributed,
-                        is_main, iter_full_weights, load_checkpoint, reduce_metrics, save_checkpoint, shard_model)
+from fsdp_utils import (CheckpointError, all_reduce, close_distributed, exit_now_if_gloo, export_hf_checkpoint,
+                        init_distributed, is_main, iter_full_weights, load_checkpoint, load_pretrained, reduce_metrics,
+                        save_checkpoint, shard_model)
 from ppo import masked_whiten
 from rollout import HFRollout
+import train
+from config import Config
 
 out_dir = sys.argv[1]
 torch.set_num_threads(1)
@@ -43,10 +52,21 @@ def actor():
     return tiny_actor(seed=0)[1]
 
 
-def critic():
+def sharded_actor():
+    return load_pretrained(AutoModelForCausalLM, sft_path, activation_checkpointing=True)
+
+
+def sharded_critic():
     """The critic as train.py builds it: `load_value_model` on the actor's checkpoint, seeded head."""
-    torch.manual_seed(0)
-    return load_value_model(sft_path)
+    return load_value_model(sft_path, activation_checkpointing=True)
+
+
+def unsharded_copy(model, model_class):
+    """The same weights in one plain model (a tied head is loaded through the embedding)."""
+    copy = model_class.from_config(model.config)
+    missing, _ = copy.load_state_dict(full_state(model), strict=False)
+    assert set(missing) <= {"lm_head.weight"}, missing
+    return copy
 
 
 def loss_sum(model, rows):
@@ -94,11 +114,12 @@ def optimizer(model):
 
 mine = list(range(info.rank, 4, info.world_size))  # rows 0, 2 on rank 0; rows 1, 3 on rank 1
 result = {}
-for name, build in (("actor", actor), ("critic", critic)):
-    single = build()
+for name, load, model_class in (("actor", sharded_actor, AutoModelForCausalLM),
+                                ("critic", sharded_critic, AutoModelForTokenClassification)):
+    sharded = load().train()  # Hugging Face checkpoints layers in training mode only
+    single, start = unsharded_copy(sharded, model_class).train(), full_state(sharded)
     single_opt = optimizer(single)
     single_loss = step(single, single_opt, [0, 1, 2, 3], sharded=False)
-    sharded = shard_model(build(), activation_checkpointing=True)
     with torch.no_grad():  # as train.py evaluates pi_SFT before it builds the optimizers
         sharded(input_ids=ids[mine], attention_mask=mask[mine])
     result[name + "_sharded_after_no_grad_forward"] = all(isinstance(p, DTensor) for p in sharded.parameters())
@@ -110,7 +131,7 @@ for name, build in (("actor", actor), ("critic", critic)):
         "grad_max_diff": max_diff(full_grads(sharded), full_grads(single)),
         "grad_max_abs": max(g.abs().max().item() for g in full_grads(single).values()),
         "weight_max_diff": max_diff(full_state(sharded), single.state_dict()),
-        "weight_change": max_diff(full_state(sharded), build().state_dict()),
+        "weight_change": max_diff(full_state(sharded), start),
     }
 
 # 2. Sharded checkpoint -> fresh sharded model and optimizer -> identical state and next step.
@@ -160,6 +181,79 @@ sampled = HFRollout(actor(), tokenizer).generate([[5, 6, 7]] * 8, max_new_tokens
 both = [None, None]
 torch.distributed.all_gather_object(both, sampled.tolist())
 result["sampling"] = {"ranks_differ": both[0] != both[1]}
+
+# 6. Sharded loading from Hugging Face checkpoints, as train.py loads the actor and the critics.
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+bf16_path, value_path, broken_path, config_only = (os.path.join(out_dir, d) for d in ("bf16", "value", "broken", "bin"))
+if is_main():
+    actor().to(torch.bfloat16).save_pretrained(bf16_path, max_shard_size="200KB")  # several files + index
+    value = AutoModelForTokenClassification.from_pretrained(sft_path, num_labels=1)  # a saved head
+    torch.nn.init.normal_(value.score.weight, generator=torch.Generator().manual_seed(5))
+    value.save_pretrained(value_path)
+    tiny_actor()[1].config.save_pretrained(broken_path)
+    tiny_actor()[1].config.save_pretrained(config_only)  # as if its weights were a pytorch_model.bin
+    state = actor().state_dict()
+    save_file({k: v for k, v in state.items() if k not in ("model.norm.weight", "lm_head.weight")},
+              os.path.join(broken_path, "model.safetensors"))
+torch.distributed.barrier()
+
+
+def saved_tensors(path):
+    return {k: v for f in sorted(os.listdir(path)) if f.endswith(".safetensors")
+            for k, v in load_file(os.path.join(path, f)).items()}
+
+
+def shards_equal_checkpoint(model, path):
+    """Names whose shards, put together, differ from the checkpoint's tensor (bf16 -> fp32 is exact)."""
+    saved = saved_tensors(path)
+    differ = []
+    for name, param in model.named_parameters():
+        full = param.full_tensor()  # collective: every rank checks every name
+        if name in saved and not (full.dtype == torch.float32 and torch.equal(full, saved[name].float())):
+            differ.append(name)
+    return differ
+
+
+cfg = Config(seed=7)
+loaded = {"actor": train.load_actor(cfg, bf16_path, info), "critic": train.load_critic(cfg, bf16_path, info),
+          "value": train.load_critic(cfg, value_path, info)}
+unsharded = {"actor": AutoModelForCausalLM.from_pretrained(bf16_path, dtype=torch.float32),
+             "value": AutoModelForTokenClassification.from_pretrained(value_path, dtype=torch.float32)}
+with torch.no_grad():
+    outputs = {name: loaded[name](input_ids=ids[mine], attention_mask=mask[mine]).logits for name in loaded}
+    expected = {name: unsharded[name](input_ids=ids[mine], attention_mask=mask[mine]).logits for name in unsharded}
+errors = {}
+for name, path in (("broken", broken_path), ("no_safetensors", config_only)):
+    try:
+        train.load_actor(cfg, path, info)
+    except CheckpointError as err:
+        errors[name] = str(err)
+head = loaded["critic"].score
+result["loading"] = {
+    "sharded": all(isinstance(p, DTensor) for m in loaded.values() for p in m.parameters()),
+    "files": len([f for f in os.listdir(bf16_path) if f.endswith(".safetensors")]),
+    "differ": {name: shards_equal_checkpoint(model, {"value": value_path}.get(name, bf16_path))
+               for name, model in loaded.items()},
+    "checked": len(list(loaded["actor"].named_parameters())),
+    "tied": loaded["actor"].lm_head.weight is loaded["actor"].model.embed_tokens.weight,
+    "rotary_max_diff": (loaded["actor"].model.rotary_emb.inv_freq
+                        - unsharded["actor"].model.rotary_emb.inv_freq).abs().max().item(),
+    "logits_max_diff": {name: (outputs[name] - expected[name]).abs().max().item() for name in expected},
+    "head": head.weight.full_tensor().flatten().tolist() + head.bias.full_tensor().tolist(),
+    "errors": errors,
+    "eval_mode": not any(m.training for m in loaded.values()),
+}
+
+# 7. ORM training, sharded on half the rows per rank; the test trains one process on all of them.
+from common import ORM_LABELS, orm_batch  # noqa: E402
+from critic import train_orm  # noqa: E402
+
+orm = sharded_critic()
+export_hf_checkpoint(orm, None, os.path.join(out_dir, "orm_init"))
+history = train_orm(orm, [orm_batch(mine)], [ORM_LABELS[mine]], steps=3, lr=1e-3)
+export_hf_checkpoint(orm, None, os.path.join(out_dir, "orm_trained"))
+result["orm"] = [[h["orm/loss"], h["orm/sign_accuracy"], h["orm/grad_norm"]] for h in history]
 write_result(out_dir, info.rank, result)
 close_distributed()
 exit_now_if_gloo()

@@ -1,6 +1,6 @@
 """One process without torchrun, on the path one GPU takes (tests/test_distributed.py): it joins a
 process group of its one rank (fsdp_utils.launch_as_one_rank; gloo here, nccl on a GPU) and
-train.shard wraps the actor in FSDP2. The PPO actor update of that model, with and without
+train.load_actor (fsdp_utils.load_pretrained) wraps the actor in FSDP2. The PPO actor update of that model, with and without
 activation checkpointing, against the same update of the plain model before the group existed.
 Writes rank0.json into argv[1]."""
 
@@ -37,8 +37,10 @@ grouped_before = torch.distributed.is_initialized()
 fsdp_utils.launch_as_one_rank()
 info = fsdp_utils.init_distributed()
 result = {"grouped_before": grouped_before, "world_size": info.world_size, "backend": torch.distributed.get_backend()}
+checkpoint = f"{out_dir}/actor"
+tiny_actor()[1].save_pretrained(checkpoint)
 for checkpointing in (False, True):
-    model = train.shard(Config(activation_checkpointing=checkpointing), tiny_actor()[1], info)
+    model = train.load_actor(Config(activation_checkpointing=checkpointing), checkpoint, info)
     sharded = all(isinstance(p, DTensor) for p in model.parameters())
     metrics, weights = update(model)
     result[f"checkpointing={checkpointing}"] = {
