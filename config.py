@@ -167,6 +167,19 @@ class Config:
     """recompute activations in the backward pass"""
     cpu_offload: bool = False
     """offload sharded parameters and optimizer states to CPU"""
+    checkpoint_fraction: float = 1.0
+    """with --activation-checkpointing: share of the decoder layers (spread evenly) whose
+    activations are recomputed; the others keep theirs (less recompute, more memory)"""
+
+    # --- throughput levers (off by default: the defaults compute exactly as without them)
+    micro_batch_tokens: int | None = None
+    """fill each micro-batch with length-sorted rows up to this many padded tokens (rows x
+    (longest prompt + longest response)) instead of --micro-batch-size rows; None: rows"""
+    logprob_chunk_tokens: int | None = None
+    """compute the actor's log-probs and entropy from its final hidden states, this many tokens at
+    a time (recomputed in the backward pass), never holding the float32 [tokens, vocab] logits"""
+    compile_layers: bool = False
+    """torch.compile each decoder layer of actor and critic (meant for GPUs; a CPU needs a C++ compiler)"""
 
     def validate(self, world_size: int = 1) -> None:
         """Fail at start, naming every bad field and the values it may take. Under torchrun every
@@ -190,6 +203,10 @@ class Config:
             "num_minibatches": (1 <= self.num_minibatches and rows_per_rank % self.num_minibatches == 0,
                                 f">= 1 and divide the {rows_per_rank} rows each rank gets a step"),
             "micro_batch_size": (self.micro_batch_size >= 1, ">= 1"),
+            "micro_batch_tokens": (self.micro_batch_tokens is None or self.micro_batch_tokens >= 1, ">= 1, or unset"),
+            "logprob_chunk_tokens": (self.logprob_chunk_tokens is None or self.logprob_chunk_tokens >= 1,
+                                     ">= 1, or unset"),
+            "checkpoint_fraction": (0.0 < self.checkpoint_fraction <= 1.0, "in (0, 1]"),
             "actor_lr": (self.actor_lr > 0, "> 0"),
             "critic_lr": (self.critic_lr > 0, "> 0"),
             "orm_lr": (self.orm_lr > 0, "> 0"),

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForTokenClassification
 
 from data import sample_prompts, stream_seed
-from fsdp_utils import (all_reduce, copy_local_rows, export_hf_checkpoint, is_main, load_pretrained, local_device,
+from fsdp_utils import (all_reduce, copy_local_rows, export_hf_checkpoint, is_main, load_pretrained,
                         reduce_metrics, shard_options, world_size)
 from ppo import value_loss
 from rollout import RolloutBatch
@@ -170,8 +170,9 @@ def prepare_orm(cfg, sft_path: str, sampler: Sampler, records: list[dict]) -> st
             scored = sampler.sample_and_score(prompts, stream_seed(0, "orm/sampling", i))
             batches.append(scored.batch)
             outcomes.append(scored.outcomes)
-        # Sharded under torchrun like the critic, each rank training on its own samples.
-        model = load_value_model(sft_path, seed=stream_seed(0, "orm/head", 0), device=local_device(),
+        # Sharded under torchrun like the critic, each rank training on its own samples, on the
+        # device the engine put them on.
+        model = load_value_model(sft_path, seed=stream_seed(0, "orm/head", 0), device=batches[0].device,
                                  **shard_options(cfg))
         history = train_orm(model, batches, outcomes, steps=cfg.orm_steps, lr=cfg.orm_lr)
         export_hf_checkpoint(model, sampler.tokenizer, staging)  # streamed from the shards: collective

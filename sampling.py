@@ -51,13 +51,13 @@ class Sampler:
         generated = time.perf_counter()
         texts = decode_responses(self.tokenizer, batch)
         graded = self.grader.grade(texts, [p["answer"] for p in prompts])
-        device = batch.response_mask.device
+        device = batch.device  # the engine's batch is on its models' device: so is all built from it
         outcomes = torch.tensor(graded.outcomes, dtype=torch.float32, device=device)
         if cfg.truncation_reward is not None:
             truncated = torch.tensor([f == "length" for f in batch.finish_reasons], device=device)
             outcomes = torch.where(truncated, float(cfg.truncation_reward), outcomes)
         token_rewards = torch.zeros_like(batch.response_mask)
-        token_rewards[torch.arange(len(batch)), batch.lengths - 1] = outcomes
+        token_rewards[torch.arange(len(batch), device=device), batch.lengths - 1] = outcomes
         seconds = {"rollout": generated - start, "reward": time.perf_counter() - generated}
         return ScoredBatch(batch, texts, outcomes, token_rewards, graded.num_timeouts, graded.num_missing_box,
                            seconds)

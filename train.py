@@ -34,7 +34,7 @@ from evaluate import evaluate, evaluate_once
 from gae import decoupled_gae, grpo_advantages, length_adaptive_lambda
 from ppo import aggregate_loss, assert_finite, check_masked_inputs, entropy_from_logits, explained_variance
 from ppo import kl_penalty, masked_mean, masked_whiten, micro_batched_forward, policy_loss, response_logprobs
-from ppo import update_model
+from ppo import token_logprobs_and_entropy, update_model
 from rollout import HFRollout, VLLMRollout
 from sampling import Sampler, ScoredBatch
 from sft import ModelError, check_model, prepare_sft
@@ -44,19 +44,45 @@ from verifier import Grader
 POSITION_BINS = 4  # advantage mean per quarter of each response, early to late (paper Fig. 2)
 
 
-def policy_forward(actor, batch, temperature: float, with_entropy: bool = False):
-    """log pi(y_t | s_t) for every response token (and the entropy), recomputed by the trained model."""
+def policy_forward(actor, batch, temperature: float, with_entropy: bool = False, chunk_tokens: int | None = None):
+    """log pi(y_t | s_t) for every response token (and the entropy), recomputed by the trained model.
+    chunk_tokens: from the hidden states, that many positions at a time (ppo.token_logprobs_and_entropy)."""
     T = batch.response_ids.shape[1]
-    # Only the logits that predict response tokens are needed: the last T + 1 minus the final one.
+    # Only the outputs that predict response tokens are needed: the last T + 1 minus the final one.
+    if chunk_tokens is not None:
+        with head_gives_token_statistics(actor, batch.response_ids, temperature, chunk_tokens, with_entropy):
+            statistics = actor(**batch.model_inputs(), logits_to_keep=T + 1).logits
+        return statistics[..., 0] * batch.response_mask, statistics[..., 1] if with_entropy else None
     logits = actor(**batch.model_inputs(), logits_to_keep=T + 1).logits[:, :-1]
     logprobs = response_logprobs(logits, batch.response_ids, temperature) * batch.response_mask
     entropy = entropy_from_logits(logits, temperature) if with_entropy else None
     return logprobs, entropy
 
 
+@contextlib.contextmanager
+def head_gives_token_statistics(actor, response_ids, temperature, chunk_tokens, with_entropy):
+    """Inside, the actor's output head returns [B, T, 2] (each response token's log-prob, the
+    entropy) from the hidden states it is given, instead of logits. It runs inside the model's
+    forward, where FSDP2 has gathered the head's weight (tied to the embedding) for it."""
+    head = actor.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        raise ValueError("--logprob-chunk-tokens: the output head has a bias; only a plain projection is supported")
+
+    def statistics(hidden):  # hidden [B, T + 1, d]: the positions that predict response tokens, and the last
+        return token_logprobs_and_entropy(hidden[:, :-1], head.weight, response_ids, temperature,
+                                          chunk_tokens, with_entropy)
+
+    head.forward = statistics
+    try:
+        yield
+    finally:
+        del head.forward
+
+
 def actor_loss(actor, micro, per_token, normalizer, cfg):
     """Clipped surrogate (Eq. 1) of one micro-batch, plus the optional entropy bonus and KL term."""
-    logprobs, entropy = policy_forward(actor, micro, cfg.temperature, with_entropy=True)
+    logprobs, entropy = policy_forward(actor, micro, cfg.temperature, with_entropy=True,
+                                       chunk_tokens=cfg.logprob_chunk_tokens)
     mask = micro.response_mask
     loss, metrics = policy_loss(
         logprobs, per_token["old_logprobs"], per_token["advantages"], mask,
@@ -119,10 +145,13 @@ def ppo_step(cfg, step: int, sampler: Sampler, records: list[dict], models: dict
 def old_outputs(cfg, batch, actor, critic, reference) -> dict:
     """The per-token tensors of the models before the update, without gradients: old_logprobs,
     ref_logprobs (with a KL term), old_values (with a critic); [B, T], 0 on padding."""
-    forward = functools.partial(micro_batched_forward, batch=batch, micro_batch_size=cfg.micro_batch_size)
-    per_token = {"old_logprobs": forward(lambda micro: policy_forward(actor, micro, cfg.temperature)[0])}
+    forward = functools.partial(micro_batched_forward, batch=batch, micro_batch_size=cfg.micro_batch_size,
+                                micro_batch_tokens=cfg.micro_batch_tokens)
+    logprobs = lambda model, micro: policy_forward(model, micro, cfg.temperature,  # noqa: E731
+                                                   chunk_tokens=cfg.logprob_chunk_tokens)[0]
+    per_token = {"old_logprobs": forward(functools.partial(logprobs, actor))}
     if cfg.kl_coef:
-        per_token["ref_logprobs"] = forward(lambda micro: policy_forward(reference, micro, cfg.temperature)[0])
+        per_token["ref_logprobs"] = forward(functools.partial(logprobs, reference))
     if critic is not None:
         per_token["old_values"] = forward(functools.partial(response_values, critic))
     return per_token
@@ -211,7 +240,7 @@ def print_plan(cfg: Config) -> None:
         shape = memory_plan.ModelShape.from_config(AutoConfig.from_pretrained(cfg.model))
     options = dict(
         tensor_parallel_size=cfg.tensor_parallel_size,
-        micro_batch_tokens=cfg.micro_batch_size * (cfg.max_prompt_tokens + cfg.max_new_tokens),
+        micro_batch_tokens=cfg.micro_batch_tokens or cfg.micro_batch_size * (cfg.max_prompt_tokens + cfg.max_new_tokens),
         gpu_memory_utilization=cfg.gpu_memory_utilization, mixed_precision=cfg.mixed_precision,
         activation_checkpointing=cfg.activation_checkpointing, cpu_offload=cfg.cpu_offload,
         gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", 8)), reference_policy=bool(cfg.kl_coef),
@@ -224,6 +253,10 @@ def main(cfg: Config) -> dict:
     if cfg.plan:
         print_plan(cfg)
         return {}
+    try:  # before any stage runs: a GPU-only flag on a CPU machine stops here
+        fsdp_utils.check_gpu_options(cfg.mixed_precision, cfg.cpu_offload)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     dist_info = fsdp_utils.init_distributed()
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)

@@ -53,7 +53,8 @@ def pretrain_step(cfg, step: int, critic, critic_optimizer, sampler: Sampler, re
     prompts = sample_prompts(records, cfg, step, stream="value_pretrain")
     scored = sampler.sample_and_score(prompts, stream_seed(cfg.seed, "value_pretrain/sampling", step))
     batch, mask = scored.batch, scored.batch.response_mask
-    values = micro_batched_forward(functools.partial(response_values, critic), batch, cfg.micro_batch_size)
+    values = micro_batched_forward(functools.partial(response_values, critic), batch, cfg.micro_batch_size,
+                                   cfg.micro_batch_tokens)
     assert_finite([("values", values)], "forward before the update")
     # Critic targets with lambda = 1: the Monte-Carlo return, no lambda^(T-t) decay (§3.3).
     _, returns = compute_gae(scored.token_rewards, values, mask, cfg.gamma, lam=1.0)

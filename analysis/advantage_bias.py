@@ -36,6 +36,7 @@ from analysis import run_cli
 from config import parse_config
 from critic import load_value_model, orm_path, orm_scores, prepare_orm, response_values
 from data import prepare_data, sample_prompts, stream_seed
+from fsdp_utils import local_device
 from gae import compute_gae
 from ppo import masked_mean, masked_sum
 from rollout import HFRollout
@@ -120,7 +121,7 @@ def build_missing(args: Args, cfg, paths: dict, sampler: Sampler, records) -> No
         critic_init = paths["sft"] if cfg.critic_init == "sft" else prepare_orm(cfg, paths["sft"], sampler, records)
         fresh_head = stream_seed(cfg.seed, "critic/head", 0)  # as train.load_critic draws it
         prepare_value_critic(cfg, run_dir, critic_init, sampler, records,
-                             load=lambda path: load_value_model(path, seed=fresh_head))
+                             load=lambda path: load_value_model(path, seed=fresh_head, device=local_device()))
 
 
 def sample_rollouts(args: Args, cfg, sampler: Sampler, records) -> list:
@@ -209,7 +210,7 @@ def position_sums(rollouts, critic, lambdas, gamma, width: int, bin_size: int) -
             "first_quarter": {lam: [] for lam in lambdas}, "values": []}
 
     def add(key, x, mask, lam=None):
-        s = masked_sum(x.double(), mask.double(), dim=0).numpy()  # over responses: [T]
+        s = masked_sum(x.double(), mask.double(), dim=0).cpu().numpy()  # over responses: [T]
         target = sums[key] if lam is None else sums[key][lam]
         target[: len(s)] += s
 
@@ -270,7 +271,7 @@ def measure(args: Args, rollouts, paths: dict, gamma: float, starts: list[list[i
             tqdm.write(f"advantage_bias: {LABELS[name]} critic skipped: {skipped[name]}")
             continue
         torch.manual_seed(args.seed)  # the fresh head of the SFT critic
-        critic = load_value_model(path).eval()  # pi_SFT gets a new N(0, 0.02) head; critics keep theirs
+        critic = load_value_model(path).to(local_device()).eval()  # pi_SFT gets a new N(0, 0.02) head; critics keep theirs
         with torch.no_grad():
             s = position_sums(rollouts, critic, args.lambdas, gamma, width, args.bin_size)
             if name == "orm":
@@ -432,7 +433,8 @@ def main(args: Args, train_argv: list[str] = ()) -> BiasResult:
     start = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(paths["sft"])
     records, _ = prepare_data(cfg, tokenizer)
-    engine = HFRollout(AutoModelForCausalLM.from_pretrained(paths["sft"], dtype=torch.float32), tokenizer)
+    # On this process's GPU when there is one; the rollouts, and so every tensor derived from them, follow it.
+    engine = HFRollout(AutoModelForCausalLM.from_pretrained(paths["sft"], dtype=torch.float32).to(local_device()), tokenizer)
     with Grader(num_workers=cfg.grader_workers, timeout_s=cfg.grader_timeout_s) as grader:
         sampler = Sampler(cfg, engine, tokenizer, grader)
         if args.build:

@@ -10,24 +10,35 @@ CPU timings of fresh [B, T] buffers depend on the allocator: by default glibc ha
 back to the OS, so every new 2 MB buffer page-faults, which costs more than the arithmetic and
 swamps both the scan and the copy bound. The benchmark therefore runs twice: with the default
 allocator, then with glibc told to keep freed memory (mallopt; what jemalloc/tcmalloc or CUDA's
-caching allocator do anyway). The last line reports the second, B=64 T=8192 run:
+caching allocator do anyway). `--threads` sets both torch's threads (the copy) and numba's (the
+loop's rows run in parallel). The last line reports the second, B=64 T=8192 run:
     gae speedup_vs_loop=<x> over_copy_bound=<y>          (goal: >= 100 and <= 3)
 
-    .venv/bin/python bench/gae_bench.py [--threads 1] [--chunk 16] [--repeats 20]
+With `--device cuda` it times the GPU instead, at B=64 and B=512, T=8192: `decoupled_gae` on CUDA
+inputs (the Triton kernel where Triton imports, else the chunked scan), with a scalar and a
+per-response lambda, against a copy bound (clone the three inputs, write two outputs) and the
+chunked scan; each result must match the CPU loop to 1e-5. Last line, for B=64 and B=512:
+    gae_gpu over_copy_bound=<x>,<y> per_row_lambda=<x>,<y>      (goal: <= 3)
+
+    .venv/bin/python bench/gae_bench.py [--threads 1] [--chunk 16] [--repeats 20] [--device cuda]
 """
 
 import argparse
 import ctypes
+import functools
 import os
 import statistics
+import sys
 import time
 
+import numba
 import torch
 
 import gae
 import gae_fast
 
 SHAPES = ((64, 8192), (16, 32768))
+GPU_SHAPES = ((64, 8192), (512, 8192))
 
 
 def make_batch(batch, length, seed=0):
@@ -99,15 +110,73 @@ def keep_freed_memory():
     return bool(libc.mallopt(m_trim_threshold, 1 << 30)) and bool(libc.mallopt(m_mmap_threshold, 1 << 25))
 
 
+def time_on(device, fn, repeats):
+    """Median seconds of fn on `device` (synchronised around each call), after one warm-up call."""
+    sync = torch.cuda.synchronize if device == "cuda" else lambda: None
+    fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def gpu_main(repeats, device="cuda", shapes=GPU_SHAPES):
+    """GPU timings (module docstring); asserts each result against the CPU loop. device="cpu"
+    (--dry-run) only checks that this code runs: CPU inputs take the compiled loop."""
+    kernel = gae_fast.triton_kernel() is not None and device == "cuda"
+    name = torch.cuda.get_device_name() if device == "cuda" else "CPU dry run"
+    print(f"torch {torch.__version__}, {name}, decoupled_gae path: "
+          f"{'Triton kernel' if kernel else 'chunked scan (no Triton)' if device == 'cuda' else 'compiled loop'}", flush=True)
+    time_cuda = functools.partial(time_on, device)
+    over, per_row = [], []
+    for shape in shapes:
+        cpu = make_batch(*shape)
+        rewards, values, mask = (x.to(device) for x in cpu)
+        lam_rows = torch.linspace(0.9, 1.0, shape[0], dtype=torch.float64)
+        runs = {
+            "scalar": (lambda: gae.decoupled_gae(rewards, values, mask, 1.0, 0.95, 1.0), 0.95),
+            "per-row": (lambda: gae.decoupled_gae(rewards, values, mask, 1.0, lam_rows.to(device), 1.0), lam_rows),
+        }
+        times = {}
+        for name, (fn, lam) in runs.items():
+            want = gae.decoupled_gae(*cpu, 1.0, lam, 1.0)
+            error = max((g.cpu() - w).abs().max().item() for g, w in zip(fn(), want))
+            assert error <= 1e-5, f"{name} lambda: max |GPU - CPU| = {error:.1e}"
+            times[name] = (time_cuda(fn, repeats), error)
+        copy = time_cuda(lambda: [x.clone() for x in (rewards, values, mask, rewards, values)], repeats)
+        scan = time_cuda(lambda: chunked_scan(rewards, values, mask), repeats)
+        over.append(times["scalar"][0] / copy)
+        per_row.append(times["per-row"][0] / copy)
+        print(f"B={shape[0]:3d} T={shape[1]}: decoupled_gae {times['scalar'][0] * 1e3:.3f} ms "
+              f"(per-row lambda {times['per-row'][0] * 1e3:.3f} ms) | copy bound {copy * 1e3:.3f} ms | "
+              f"over copy {over[-1]:.2f} (per-row {per_row[-1]:.2f}) | chunked scan {scan * 1e3:.3f} ms | "
+              f"max |GPU - CPU| {times['scalar'][1]:.1e} (per-row {times['per-row'][1]:.1e})", flush=True)
+    print(f"gae_gpu over_copy_bound={over[0]:.2f},{over[1]:.2f} per_row_lambda={per_row[0]:.2f},{per_row[1]:.2f}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: robust to a shared CPU)")
     parser.add_argument("--chunk", type=int, default=gae_fast.CHUNK, help="chunk size of the chunked scan (gae_fast.CHUNK)")
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per measurement")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: time the GPU paths")
+    parser.add_argument("--dry-run", action="store_true", help="with --device cuda: run its code on the CPU, small")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
     gae_fast.CHUNK = args.chunk
-    print(f"torch {torch.__version__}, threads={args.threads}, cpus={os.cpu_count()}, chunk={gae_fast.CHUNK}", flush=True)
+    if args.device == "cuda" and args.dry_run:
+        return gpu_main(2, "cpu", shapes=((8, 1024), (64, 1024)))
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            sys.exit("error: --device cuda: torch sees no CUDA device (--dry-run runs this mode's code on the CPU)")
+        return gpu_main(args.repeats)
+    torch.set_num_threads(args.threads)
+    numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
+    print(f"torch {torch.__version__}, threads={args.threads} (torch and numba), cpus={os.cpu_count()}, "
+          f"chunk={gae_fast.CHUNK}", flush=True)
 
     batches = {shape: make_batch(*shape) for shape in SHAPES}
     loop = {}

@@ -1,50 +1,84 @@
 #!/usr/bin/env bash
-# GPU smoke test of the scale path: decoupled GAE's GPU path, vLLM on GPU (bf16, sleep mode), weight
-# sync, FSDP2 with mixed precision / activation checkpointing / CPU offload under torchrun. About
-# 2-4 minutes.
+# GPU smoke test, for a bare GPU machine: python3 with a CUDA build of torch, transformers and
+# numba (Triton comes with CUDA torch); no package index. The project's small pure-Python
+# dependencies (tyro, math-verify and theirs) are unpacked from bench/wheels/ into a temporary
+# folder on PYTHONPATH: run bench/fetch_wheels.sh where PyPI is reachable and bring them along.
+# TensorBoard must be installed (train.py logs to it). The parts:
+#   0. decoupled GAE on the GPU (the Triton kernel) against the CPU loop, B=64/512 T=8192, timed
+#      against its copy bound; the CPU loop's rows in parallel, timed with all cores;
+#   1. the tiny pipeline (train.py, every stage) in one process with --rollout hf, bf16 and
+#      activation checkpointing (FSDP2 over a group of one rank);
+#   2. the same under torchrun --nproc_per_node 1, with the throughput levers on;
+#   3. bench/mfu_bench.py: the PPO actor update of a Qwen2.5-1.5B shape, levers off, then on;
+#   4. only where vLLM imports: vLLM on the GPU (bf16, sleep mode), weight sync, FSDP2 with CPU
+#      offload (two GPUs: tensor parallel 2 under torchrun);
+#   5. the memory plan of the 32B preset.
+# Parts 0-3 and 5 should take about 10 minutes on one H200 (an estimate: not yet run on one).
 #
-#   PYTHON=/path/to/python bench/gpu_smoke.sh        # needs CUDA torch 2.13 and vllm==0.32.0 (GPU wheel)
+#   PYTHON=python3 bench/gpu_smoke.sh
+#   GPU_SMOKE_DRY_RUN=1 PYTHON=.venv/bin/python bench/gpu_smoke.sh   # on a CPU: each part's code, tiny
 #
-# UNTESTED: written on a machine without a GPU. The CPU versions of every check pass in
-# tests/test_vllm.py and tests/test_distributed.py; this script is their GPU counterpart.
-# Part 1 needs one GPU; part 2 runs only with two or more.
+# Written and dry-run on a machine without a GPU: no part has run on a GPU yet.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-.venv/bin/python}
-# The project, and the helpers its checks share with bench/ and the multi-process tests.
-export PYTHONPATH=$PWD:$PWD/bench:$PWD/tests/dist_workers VLLM_ENABLE_V1_MULTIPROCESSING=0
+PY=${PYTHON:-python3}
+DRY=${GPU_SMOKE_DRY_RUN:-0}
 unset PYTORCH_CUDA_ALLOC_CONF  # expandable_segments breaks vLLM sleep mode (vLLM #14189)
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 
-nvidia-smi --query-gpu=name,memory.total --format=csv
-"$PY" - <<'EOF'
-import torch, vllm
-assert torch.cuda.is_available(), "no CUDA device visible to torch"
-print(f"torch {torch.__version__}, vllm {vllm.__version__}, {torch.cuda.device_count()} GPU(s)")
+if compgen -G "bench/wheels/*.whl" > /dev/null; then  # pure-Python wheels are zip files: unpacked, no pip
+  for wheel in bench/wheels/*.whl; do "$PY" -m zipfile -e "$wheel" "$WORK/site"; done
+  export PYTHONPATH="$WORK/site"
+fi
+# The project, and the helpers its checks share with bench/ and the multi-process tests.
+export PYTHONPATH="$PWD:$PWD/bench:$PWD/tests/dist_workers${PYTHONPATH:+:$PYTHONPATH}" VLLM_ENABLE_V1_MULTIPROCESSING=0
+HAVE_VLLM=$("$PY" - <<'EOF'
+import importlib.util, sys
+missing = [m for m in ("torch", "transformers", "numba", "tyro", "math_verify", "tensorboard", "tqdm")
+           if importlib.util.find_spec(m) is None]
+if missing:
+    sys.exit(f"error: missing {', '.join(missing)} (tyro, math_verify: run bench/fetch_wheels.sh where PyPI is reachable)")
+print(int(importlib.util.find_spec("vllm") is not None))
 EOF
+)
+if [ "$DRY" = 1 ]; then
+  echo "== DRY RUN on the CPU: tiny shapes, no GPU figures"
+  GPU_FLAGS=() ; MFU_FLAGS=(--dry-run --rows 4 --repeats 1) ; GAE_FLAGS=(--dry-run) ; HAVE_VLLM=0
+  PIPELINE=(--sft-steps 4 --task-train-size 64 --task-eval-size 4 --prompts-per-step 4 --samples-per-prompt 2
+            --max-new-tokens 24 --micro-batch-size 3 --num-minibatches 2 --eval-samples 2 --value-pretrain-steps 1 --steps 2)
+else
+  nvidia-smi --query-gpu=name,memory.total --format=csv
+  GPU_FLAGS=(--mixed-precision) ; MFU_FLAGS=() ; GAE_FLAGS=()
+  PIPELINE=(--sft-steps 100 --value-pretrain-steps 3 --steps 3)
+fi
+"$PY" -c 'import torch, transformers, numba; print(f"torch {torch.__version__} (CUDA: {torch.cuda.is_available()}), transformers {transformers.__version__}, numba {numba.__version__}")'
 
-echo "== part 0: decoupled GAE on the GPU (the chunked scan) against the CPU's compiled loop"
-"$PY" - <<'EOF'
-import time
-import torch
-import gae
-from gae_bench import make_batch
-for shape in ((64, 8192), (16, 32768)):
-    cpu = make_batch(*shape)
-    want = gae.decoupled_gae(*cpu, 1.0, 0.95, 1.0)
-    gpu = [x.cuda() for x in cpu]
-    got = gae.decoupled_gae(*gpu, 1.0, 0.95, 1.0)  # warm-up
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(20):
-        got = gae.decoupled_gae(*gpu, 1.0, 0.95, 1.0)
-    torch.cuda.synchronize()
-    error = max((g.cpu() - w).abs().max().item() for g, w in zip(got, want))
-    print(f"B={shape[0]} T={shape[1]}: GPU scan {(time.perf_counter() - start) / 20 * 1e3:.2f} ms, max |GPU - CPU| {error:.1e}")
-    assert error <= 1e-5
-EOF
+echo "== part 0: decoupled GAE on the GPU against the CPU loop (max difference <= 1e-5), and the CPU loop"
+"$PY" bench/gae_bench.py --device cuda "${GAE_FLAGS[@]}"
+"$PY" bench/gae_bench.py --threads "$(nproc)" --repeats 10 | tail -5
 
+echo "== part 1: the tiny pipeline in one process, --rollout hf, bf16 + activation checkpointing"
+"$PY" train.py --out-dir "$WORK/runs" --run-name single --rollout hf "${PIPELINE[@]}" \
+  "${GPU_FLAGS[@]}" --activation-checkpointing
+test -f "$WORK/runs/single/summary.json"
+
+echo "== part 2: the same under torchrun (one rank), with the throughput levers"
+"$PY" -m torch.distributed.run --nproc_per_node 1 train.py --out-dir "$WORK/runs" --run-name torchrun \
+  --rollout hf "${PIPELINE[@]}" "${GPU_FLAGS[@]}" --activation-checkpointing --checkpoint-fraction 0.5 \
+  --micro-batch-tokens 2048 --logprob-chunk-tokens 256
+test -f "$WORK/runs/torchrun/summary.json"
+
+echo "== part 3: MFU of the PPO actor update (Qwen2.5-1.5B shape, 8 rows of 1k + 5.4k-7.2k tokens)"
+echo "-- levers off (micro-batches of one row, whole logits, every layer recomputed)"
+"$PY" bench/mfu_bench.py "${MFU_FLAGS[@]}"
+echo "-- token budget + log-probs from hidden states"
+"$PY" bench/mfu_bench.py "${MFU_FLAGS[@]}" --micro-batch-tokens 16384 --logprob-chunk-tokens 4096
+echo "-- and compiled decoder layers, half the layers recomputed"
+"$PY" bench/mfu_bench.py "${MFU_FLAGS[@]}" --micro-batch-tokens 16384 --logprob-chunk-tokens 4096 \
+  --compile-layers --checkpoint-fraction 0.5
+
+if [ "$HAVE_VLLM" = 1 ]; then
 cat > "$WORK/smoke.py" <<'EOF'
 """One process per GPU. The reference is Hugging Face in fp32 on CPU; vLLM runs in bf16, so greedy
 agreement is measured, not required to be exact (a random model has near-ties, and a response
@@ -104,17 +138,18 @@ print(f"[rank {info.rank}] after sync: agreement {same:.3f}, tokens changed by t
 assert same >= 0.75 and changed > 0.0
 print(f"[rank {info.rank}] OK")
 EOF
-
-echo "== part 1: one GPU, single process"
-CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} "$PY" "$WORK/smoke.py" "$WORK/p1" none
-
-if [ "$("$PY" -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
-  echo "== part 2: torchrun on 2 GPUs, FSDP2 + tensor parallel 2, with and without CPU offload"
-  "$PY" -m torch.distributed.run --nproc_per_node 2 "$WORK/smoke.py" "$WORK/p2" none
-  "$PY" -m torch.distributed.run --nproc_per_node 2 "$WORK/smoke.py" "$WORK/p3" offload
+  echo "== part 4: vLLM on one GPU, single process"
+  CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} "$PY" "$WORK/smoke.py" "$WORK/p1" none
+  if [ "$("$PY" -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+    echo "== part 4b: torchrun on 2 GPUs, FSDP2 + tensor parallel 2, with and without CPU offload"
+    "$PY" -m torch.distributed.run --nproc_per_node 2 "$WORK/smoke.py" "$WORK/p2" none
+    "$PY" -m torch.distributed.run --nproc_per_node 2 "$WORK/smoke.py" "$WORK/p3" offload
+  else
+    echo "== part 4b skipped: fewer than 2 GPUs"
+  fi
 else
-  echo "== part 2 skipped: fewer than 2 GPUs"
+  echo "== part 4 skipped: vLLM does not import here"
 fi
-echo "== memory plan for the 32B preset"
+echo "== part 5: memory plan for the 32B preset"
 "$PY" memory_plan.py
-echo "gpu_smoke: all checks passed"
+echo "gpu_smoke: all checks passed$([ "$DRY" = 1 ] && echo ' (dry run on the CPU)')"

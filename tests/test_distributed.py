@@ -136,8 +136,27 @@ def test_gloo_workers_leave_at_once_after_close_distributed(tmp_path):
 
 def test_shard_model_without_process_group_returns_the_model_itself():
     _, model = tiny_actor()
-    assert shard_model(model, mixed_precision=True, cpu_offload=True) is model
-    assert all(type(p) is torch.nn.Parameter for p in model.parameters())
+    assert shard_model(model, activation_checkpointing=True) is model
+    assert all(type(p) is torch.nn.Parameter for p in model.parameters()) and model.is_gradient_checkpointing
+
+
+@pytest.mark.parametrize("flag", ["mixed_precision", "cpu_offload"])
+def test_gpu_only_options_stop_with_a_message_on_a_cpu(flag):
+    """Not silently ignored: bf16 and offload are FSDP2's CUDA options (torch.cuda is off in tests)."""
+    with pytest.raises(ValueError, match=f"--{flag.replace('_', '-')} needs a GPU"):
+        shard_model(tiny_actor()[1], **{flag: True})
+
+
+def test_one_process_on_a_group_of_one_rank_trains_as_the_plain_model(tmp_path):
+    """The path one GPU takes, run here on gloo: FSDP2 over a 1-rank group (with and without
+    activation checkpointing) gives exactly the plain model's PPO update."""
+    r = run_torchrun("one_rank_worker.py", str(tmp_path), nproc=0)[0]
+    assert not r["grouped_before"] and r["world_size"] == 1 and r["backend"] == "gloo"
+    assert r["weight_change"] > 1e-4  # the update moved the weights
+    for checkpointing in (False, True):
+        got = r[f"checkpointing={checkpointing}"]
+        assert got["sharded"]
+        assert got["weight_max_diff"] == 0.0 and got["metric_max_diff"] == 0.0, got  # the same arithmetic
 
 
 def test_iter_full_weights_buckets_are_bounded_and_cover_each_tensor_once():
@@ -229,6 +248,18 @@ def test_memory_plan_32b_actor_and_critic_fit_16_h200_but_not_8():
         plan(QWEN25_32B, world_size=6, tensor_parallel_size=4)
 
 
+def test_selective_checkpointing_and_compiled_layers_keep_the_parameter_names():
+    _, model = tiny_actor()
+    names = [n for n, _ in model.named_parameters()]
+    shard_model(model, activation_checkpointing=True, checkpoint_fraction=0.5, compile_layers=True)
+    layers = model.model.layers
+    assert [layer.gradient_checkpointing for layer in layers] == [True, False]  # one layer of two
+    assert all(layer._compiled_call_impl is not None for layer in layers)
+    assert [n for n, _ in model.named_parameters()] == names
+    with pytest.raises(ValueError, match="checkpoint_fraction"):
+        shard_model(model, activation_checkpointing=True, checkpoint_fraction=0.0)
+
+
 def test_memory_plan_host_constants_are_the_codes():
     import inspect
 
@@ -255,3 +286,27 @@ def test_memory_plan_host_per_node_holds_read_buffers_not_whole_models():
     at_8, at_16 = needs(QWEN25_32B)
     assert at_8.startswith("at 8 GPUs (1 node of 8)") and "does NOT fit" in at_8
     assert at_16.startswith("at 16 GPUs (2 nodes of 8)") and "(fits)" in at_16 and "host" in at_16
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_the_update_recomputes_activations_only_with_activation_checkpointing(checkpointing):
+    """Hugging Face recomputes a layer in the backward pass only in training mode, and loaded models
+    are in eval mode: update_model trains in training mode, so --activation-checkpointing takes
+    effect (each layer runs twice per micro-batch), and leaves the model in eval mode after."""
+    import train
+    from config import Config
+    from ppo import update_model
+    from rollout import HFRollout
+
+    tokenizer, model = tiny_actor()
+    model.eval()
+    cfg = Config(num_minibatches=1, micro_batch_size=2, prompts_per_step=2, samples_per_prompt=1)
+    batch = HFRollout(model, tokenizer).generate([tokenizer("S:12").input_ids] * 2, 6, seed=0)
+    per_token = {"old_logprobs": batch.logprobs, "advantages": batch.response_mask.clone()}
+    model = shard_model(model, activation_checkpointing=checkpointing)
+    calls, mlp = [], model.model.layers[0].mlp
+    forward = mlp.forward  # counted directly: the recompute runs no module hooks
+    mlp.forward = lambda *args, **kwargs: (calls.append(1), forward(*args, **kwargs))[1]
+    update_model(cfg, model, torch.optim.SGD(model.parameters(), lr=0.0), batch, per_token, train.actor_loss,
+                 seed=0, prefix="actor")
+    assert len(calls) == (2 if checkpointing else 1) and not model.training

@@ -1,5 +1,6 @@
-"""Tests for gae.py: both fast paths of gae_fast.py (the compiled CPU loop and the chunked scan)
-against the definition `gae_reference`, closed forms, Eq. (8), GRPO, input checks."""
+"""Tests for gae.py: both CPU-testable fast paths of gae_fast.py (the compiled CPU loop and the
+chunked scan) against the definition `gae_reference`, closed forms, Eq. (8), GRPO, input checks.
+The GPU's Triton kernel: test_gae_triton.py."""
 
 import pytest
 import torch
@@ -20,8 +21,8 @@ torch.set_num_threads(1)
 
 @pytest.fixture(autouse=True, params=["compiled", "scan"])
 def fast_path(request, monkeypatch):
-    """Every test runs on both fast paths: the compiled loop that CPU inputs take, and the chunked
-    scan that GPU inputs (and autograd) take, here forced on the CPU."""
+    """Every test runs on both CPU-testable fast paths: the compiled loop that CPU inputs take, and
+    the chunked scan that GPU inputs without Triton (and autograd) take, here forced on the CPU."""
     if request.param == "scan":
         monkeypatch.setattr(gae_fast, "compiled_loop_applies", lambda *tensors: False)
     return request.param

@@ -306,8 +306,9 @@ def ragged_rollout(seed=0):
 
 
 def test_update_model_step_does_not_depend_on_micro_batches_or_their_trimmed_padding():
-    """A whole mini-batch in one forward vs micro-batches of 3 rows, each sorted by length and
-    trimmed to its own longest response: the same parameters after one SGD step."""
+    """A whole mini-batch in one forward vs micro-batches of 3 rows, or filled to a budget of
+    padded tokens, each sorted by length and trimmed to its own longest response, and vs
+    log-probs and entropy from the hidden states in chunks: the same parameters after one SGD step."""
     import copy
     from types import SimpleNamespace
 
@@ -319,18 +320,21 @@ def test_update_model_step_does_not_depend_on_micro_batches_or_their_trimmed_pad
     gen = torch.Generator().manual_seed(0)
     rows = {"old_logprobs": batch.logprobs - 0.1 * torch.rand(batch.logprobs.shape, generator=gen) * batch.response_mask,
             "advantages": torch.randn(batch.logprobs.shape, generator=gen) * batch.response_mask}
-    params = []
-    for micro_batch_size in (len(batch), 3):
+    params, widest = [], int(batch.prompt_mask.sum(-1).max() + batch.lengths.max())
+    splits = [(len(batch), None, None), (3, None, None), (1, 2 * widest, None), (len(batch), None, 7)]
+    for micro_batch_size, micro_batch_tokens, chunk_tokens in splits:
         cfg = SimpleNamespace(ppo_epochs=1, num_minibatches=1, micro_batch_size=micro_batch_size,
-                              loss_agg="token-mean", max_grad_norm=1e9, temperature=1.0, clip_low=0.2,
-                              clip_high=0.2, dual_clip=None, entropy_coef=0.0, kl_coef=0.0)
+                              micro_batch_tokens=micro_batch_tokens, logprob_chunk_tokens=chunk_tokens,
+                              loss_agg="token-mean", max_grad_norm=1e9, temperature=0.7, clip_low=0.2,
+                              clip_high=0.2, dual_clip=None, entropy_coef=0.01, kl_coef=0.0)
         trained = copy.deepcopy(model)
         update_model(cfg, trained, torch.optim.SGD(trained.parameters(), lr=1.0), batch, rows,
                      train.actor_loss, seed=0, prefix="actor")
         params.append(torch.cat([p.detach().flatten() for p in trained.parameters()]))
     before = torch.cat([p.detach().flatten() for p in model.parameters()])
     assert (params[0] - before).abs().max() > 1e-4  # the step moved the weights
-    assert torch.allclose(params[0], params[1], atol=1e-6)
+    for other in params[1:]:
+        assert torch.allclose(params[0], other, atol=1e-6)
 
 
 def test_trim_drops_unused_padding_and_keeps_the_outputs():
@@ -462,7 +466,7 @@ def run_update(lengths, lr=0.0, **settings):
     model = torch.nn.Linear(1, 1, bias=False)
     torch.nn.init.ones_(model.weight)
     model.log = StepLog(model.parameters(), lr=lr)
-    cfg = SimpleNamespace(**{"ppo_epochs": 1, "num_minibatches": 1, "micro_batch_size": 2,
+    cfg = SimpleNamespace(**{"ppo_epochs": 1, "num_minibatches": 1, "micro_batch_size": 2, "micro_batch_tokens": None,
                              "loss_agg": "token-mean", "max_grad_norm": 1e9} | settings)
     metrics = update_model(cfg, model, model.log, batch, rows, recording_loss, seed=0, prefix="m")
     return batch, rows, model, metrics, model.log.minibatches[:-1]
@@ -517,8 +521,8 @@ def test_update_model_clips_the_gradient_norm_to_max_grad_norm(max_grad_norm, ex
     def loss_fn(model, micro, micro_rows, normalizer, cfg):
         return aggregate_loss(model.weight[0, 0] * micro_rows["x"], micro.response_mask, normalizer=normalizer), {}
 
-    cfg = SimpleNamespace(ppo_epochs=1, num_minibatches=1, micro_batch_size=1, loss_agg="token-mean",
-                          max_grad_norm=max_grad_norm)
+    cfg = SimpleNamespace(ppo_epochs=1, num_minibatches=1, micro_batch_size=1, micro_batch_tokens=None,
+                          loss_agg="token-mean", max_grad_norm=max_grad_norm)
     metrics = update_model(cfg, model, torch.optim.SGD(model.parameters(), lr=1.0), batch, rows, loss_fn,
                            seed=0, prefix="m")
     assert metrics["m/grad_norm"] == pytest.approx(100.0, rel=1e-5)

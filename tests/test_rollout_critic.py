@@ -156,6 +156,25 @@ def test_rollout_batch_moves_every_tensor_to_the_trainers_device():
     assert moved.finish_reasons == batch.finish_reasons and batch.response_mask.device.type == "cpu"
 
 
+def test_micro_batches_fill_a_token_budget_and_match_other_ranks_counts(monkeypatch):
+    """With max_tokens: runs of length-sorted rows whose rows x (longest prompt + longest response)
+    fit the budget (a longer row alone); a rank told that another has more runs splits its fullest."""
+    from rollout import RolloutBatch
+    import rollout
+
+    lengths = torch.tensor([7, 1, 6, 2, 5, 3, 30])
+    mask = (torch.arange(30)[None] < lengths[:, None]).float()
+    prompt_mask = torch.ones(7, 2, dtype=torch.long)
+    batch = RolloutBatch(prompt_mask, prompt_mask, 3 * mask.long(), mask, torch.zeros(7, 30), ["stop"] * 7)
+    micro = list(batch.micro_batches(torch.arange(7), 1, max_tokens=20))
+    assert [rows.tolist() for rows, _ in micro] == [[1, 3, 5], [4, 2], [0], [6]]  # 3x5, 2x8, 1x9, 1x32
+    assert all(m.response_ids.numel() <= 20 or len(m) == 1 for _, m in micro)
+    monkeypatch.setattr(rollout, "all_reduce", lambda x, op=None: x.fill_(6.0))  # another rank has 6 runs
+    micro = list(batch.micro_batches(torch.arange(7), 1, max_tokens=20))
+    assert sorted(len(rows) for rows, _ in micro) == [1, 1, 1, 1, 1, 2]
+    assert sorted(r for rows, _ in micro for r in rows.tolist()) == list(range(7))
+
+
 def test_a_fresh_value_head_is_said_in_one_line_and_any_other_missing_tensor_stops(policy, tmp_path, capsys):
     """transformers' red LOAD REPORT table ("score.weight MISSING") is expected for the critic
     made from pi_SFT and said in one line; a checkpoint missing anything else stops with its name

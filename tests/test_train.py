@@ -264,6 +264,13 @@ def test_grpo_needs_two_samples_per_prompt():
         config.parse_config(["--estimator", "grpo", "--samples-per-prompt", "1"])
 
 
+@pytest.mark.parametrize("flag", ["--mixed-precision", "--cpu-offload"])
+def test_gpu_only_flags_stop_a_cpu_run_before_any_stage(tmp_path, flag):
+    with pytest.raises(config.ConfigError, match=f"{flag} needs a GPU"):
+        train.main(micro_config(tmp_path, flag))
+    assert not any(tmp_path.iterdir())  # nothing built, not even pi_SFT
+
+
 def run_cli(out_dir, name, *extra):
     cmd = [sys.executable, str(ROOT / "train.py"), "--out-dir", str(out_dir), *MICRO, "--run-name", name,
            "--steps", "5", "--save-every", "1", "--value-pretrain-steps", "1", *extra]

@@ -259,7 +259,7 @@ def test_grpo_step_normalises_each_score_within_its_prompt_group(tokenizer, acto
 def actor_config(**overrides):
     return SimpleNamespace(**{"temperature": 0.7, "clip_low": 0.2, "clip_high": 0.28, "dual_clip": None,
                               "loss_agg": "token-mean", "entropy_coef": 0.0, "kl_coef": 0.0,
-                              "kl_estimator": "k3"} | overrides)
+                              "kl_estimator": "k3", "logprob_chunk_tokens": None} | overrides)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,165 @@
+"""Model FLOPs utilisation of the PPO actor update on one GPU (a CUDA benchmark).
+
+The update is `ppo.update_model` with `train.actor_loss` on a Qwen2.5-1.5B-shaped model with
+random weights (built on the GPU), prepared as `train.py` prepares it (`fsdp_utils.shard_model`: FSDP2 over a
+group of one rank, bf16 compute with float32 parameters and reduction, activation checkpointing).
+The batch: --rows responses of --prompt-tokens prompt tokens and ragged response lengths, drawn
+uniformly from [3/4, 1] x --response-tokens. It is timed against a bare step on the same
+micro-batches: the same forward (log-probs of the response tokens, through the same head),
+summed, backward, one AdamW step; ratio = PPO / bare is PPO's own overhead.
+
+FLOPs are counted as verl counts them: 6 N per token (N = the matmul parameters, the tied head
+once) plus causal attention, 6 x layers x hidden x sum of squared sequence lengths (real tokens,
+prompt + response; padding does not count). MFU = FLOPs / time / 989e12 (H200 dense bf16 peak).
+The last line:
+    mfu ppo=<x> bare=<y> ratio=<ppo/bare> peak_gib=<z>
+
+The throughput levers are train.py's flags: --micro-batch-tokens, --logprob-chunk-tokens,
+--compile-layers, --checkpoint-fraction. `--dry-run` runs the same code on the CPU with a tiny
+shape, in float32 (the MFU it prints is of no meaning there).
+
+    python bench/mfu_bench.py --micro-batch-tokens 32768 --logprob-chunk-tokens 4096 --compile-layers
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+from tqdm import tqdm
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+import fsdp_utils
+import train
+from config import Config
+from ppo import update_model
+from rollout import RolloutBatch
+
+PEAK_FLOPS = 989e12  # H200 (and H100 SXM) dense bf16
+QWEN25_1_5B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                   num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True,
+                   max_position_embeddings=32768)
+TINY = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True, max_position_embeddings=512)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=8, help="responses in the batch (one mini-batch)")
+    parser.add_argument("--prompt-tokens", type=int, default=1024)
+    parser.add_argument("--response-tokens", type=int, default=7168, help="longest response")
+    parser.add_argument("--micro-batch-size", type=int, default=1, help="rows per micro-batch (no token budget)")
+    parser.add_argument("--micro-batch-tokens", type=int, default=None, help="padded tokens per micro-batch")
+    parser.add_argument("--logprob-chunk-tokens", type=int, default=None, help="log-probs from hidden states")
+    parser.add_argument("--compile-layers", action="store_true", help="torch.compile each decoder layer")
+    parser.add_argument("--no-activation-checkpointing", dest="activation_checkpointing", action="store_false")
+    parser.add_argument("--checkpoint-fraction", type=float, default=1.0, help="share of layers recomputed")
+    parser.add_argument("--repeats", type=int, default=2, help="timed updates of each kind, after one warm-up")
+    parser.add_argument("--dry-run", action="store_true", help="tiny shape on the CPU: checks this script runs")
+    return parser.parse_args(argv)
+
+
+def matmul_parameters(shape: dict) -> int:
+    """Parameters that take part in a matmul per token: every layer's projections and the head
+    (tied to the embedding: counted once, as the head; the embedding lookup is no matmul)."""
+    d, ff, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+    kv = shape["num_key_value_heads"] * d // shape["num_attention_heads"]
+    return layers * (2 * d * d + 2 * d * kv + 3 * d * ff) + shape["vocab_size"] * d
+
+
+def model_flops(shape: dict, sequence_lengths: list[int]) -> float:
+    """Forward + backward FLOPs of one pass over the sequences (module docstring)."""
+    attention = 6 * shape["num_hidden_layers"] * shape["hidden_size"] * sum(s * s for s in sequence_lengths)
+    return 6 * matmul_parameters(shape) * sum(sequence_lengths) + attention
+
+
+def ragged_batch(vocab, rows, prompt_tokens, response_tokens, device, seed=0):
+    """A rollout batch of random tokens with response lengths in [3/4, 1] x response_tokens, and
+    the per-row tensors the actor loss reads (old log-probs, advantages)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(response_tokens * 3 // 4, response_tokens + 1, (rows,), generator=g)
+    mask = (torch.arange(response_tokens) < lengths[:, None]).float()
+    batch = RolloutBatch(
+        prompt_ids=torch.randint(3, vocab, (rows, prompt_tokens), generator=g),
+        prompt_mask=torch.ones(rows, prompt_tokens, dtype=torch.long),
+        response_ids=torch.randint(3, vocab, (rows, response_tokens), generator=g) * mask.long(),
+        response_mask=mask, logprobs=torch.zeros(rows, response_tokens), finish_reasons=["stop"] * rows,
+    ).to(device)
+    rows_in = {"old_logprobs": (-torch.rand(rows, response_tokens, generator=g) * mask).to(device),
+               "advantages": (torch.randn(rows, response_tokens, generator=g) * mask).to(device)}
+    return batch, rows_in
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if not args.dry_run and not torch.cuda.is_available():
+        sys.exit("error: mfu_bench needs a CUDA device (--dry-run runs it on the CPU, tiny)")
+    shape = TINY if args.dry_run else QWEN25_1_5B
+    if args.dry_run:
+        torch.set_num_threads(1)  # a tiny model on a shared CPU: one thread is fastest
+    prompt_tokens, response_tokens = (16, 48) if args.dry_run else (args.prompt_tokens, args.response_tokens)
+    info = fsdp_utils.init_distributed()  # one GPU: a group of one rank, so shard_model takes FSDP2
+    cfg = Config(ppo_epochs=1, num_minibatches=1, micro_batch_size=args.micro_batch_size,
+                 micro_batch_tokens=args.micro_batch_tokens, logprob_chunk_tokens=args.logprob_chunk_tokens,
+                 mixed_precision=info.device.type == "cuda", activation_checkpointing=args.activation_checkpointing,
+                 checkpoint_fraction=args.checkpoint_fraction, compile_layers=args.compile_layers,
+                 prompts_per_step=args.rows, samples_per_prompt=1)
+    model_config = Qwen2Config(**shape)
+    model_config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(info.device):
+        model = Qwen2ForCausalLM(model_config)
+    model = fsdp_utils.shard_model(model, **fsdp_utils.shard_options(cfg))
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-7)
+    batch, rows = ragged_batch(shape["vocab_size"], args.rows, prompt_tokens, response_tokens, info.device)
+
+    def bare():
+        optimizer.zero_grad(set_to_none=True)
+        every_row = torch.arange(len(batch), device=batch.device)
+        for _, micro in batch.micro_batches(every_row, cfg.micro_batch_size, cfg.micro_batch_tokens):
+            logprobs, _ = train.policy_forward(model, micro, 1.0, chunk_tokens=cfg.logprob_chunk_tokens)
+            (-logprobs.sum() / micro.response_mask.sum()).backward()
+        optimizer.step()
+
+    def ppo():
+        update_model(cfg, model, optimizer, batch, rows, train.actor_loss, seed=0, prefix="actor")
+
+    def timed(fn):
+        if info.device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if info.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    flops = model_flops(shape, (batch.prompt_mask.sum(-1) + batch.lengths).tolist())
+    times = {"bare": [], "ppo": []}
+    for i in tqdm(range(1 + args.repeats), desc="mfu_bench (warm-up, then timed)", disable=info.rank != 0):
+        for name, fn in (("bare", bare), ("ppo", ppo)):
+            seconds = timed(fn)
+            if i > 0:  # the first round compiles and warms the allocator
+                times[name].append(seconds)
+    bare_s, ppo_s = statistics.median(times["bare"]), statistics.median(times["ppo"])
+    peak = torch.cuda.max_memory_allocated() / 2**30 if info.device.type == "cuda" else 0.0
+    result = {"ppo": flops / ppo_s / PEAK_FLOPS, "bare": flops / bare_s / PEAK_FLOPS, "ratio": ppo_s / bare_s,
+              "peak_gib": peak}
+    if info.rank == 0:
+        micro = list(batch.micro_batches(torch.arange(len(batch), device=batch.device), cfg.micro_batch_size,
+                                         cfg.micro_batch_tokens))
+        print(f"{'dry run (CPU, tiny)' if args.dry_run else 'Qwen2.5-1.5B shape'}: {len(batch)} rows, "
+              f"{int(batch.lengths.sum())} response + {int(batch.prompt_mask.sum())} prompt tokens in "
+              f"{len(micro)} micro-batches; {flops / 1e12:.1f} TFLOP per pass; update {ppo_s:.2f} s, bare {bare_s:.2f} s "
+              f"(medians of {args.repeats}); {flops / ppo_s / 1e12:.0f} model TFLOP/s", flush=True)
+        print(f"mfu ppo={result['ppo']:.3f} bare={result['bare']:.3f} ratio={result['ratio']:.2f} "
+              f"peak_gib={result['peak_gib']:.1f}", flush=True)
+    fsdp_utils.close_distributed()
+    return result
+
+
+if __name__ == "__main__":
+    main()

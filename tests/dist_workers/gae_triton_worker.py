@@ -1,0 +1,54 @@
+"""The GPU's decoupled GAE kernel (gae_triton.py) on CPU tensors, in Triton's interpreter, for
+tests/test_gae_triton.py. A process of its own: the interpreter fails ("Cannot call @triton.jit'd
+outside of the scope of a kernel") in a process that imported torch._dynamo before the kernel was
+built, as the rest of the suite does. Writes rank0.json into argv[1]."""
+
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"  # before Triton builds the kernel
+
+import torch  # noqa: E402
+
+import gae  # noqa: E402
+import gae_fast  # noqa: E402
+from common import write_result  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from test_gae import make_batch  # noqa: E402
+
+kernel = gae_fast.triton_kernel()
+kernel.BLOCK = 16  # a few dozen tokens then cross blocks (the interpreter is slow)
+result = {"equal": {}, "rejected": {}}
+for length in (1, 16, 37):
+    for lam_actor in (0.0, 0.95, "per-row"):
+        rewards, values, mask = make_batch(4, length, seed=length)
+        lam = torch.tensor([0.0, 0.5, 0.9, 1.0], dtype=torch.float64) if lam_actor == "per-row" else lam_actor
+        want = gae.decoupled_gae(rewards, values, mask, 0.99, lam, 1.0)  # the compiled CPU loop
+        for name, m in (("float", mask), ("bool", mask.bool())):
+            got = kernel.lambda_returns(rewards, values, m, 0.99, lam, 1.0)
+            result["equal"][f"T={length} lam={lam_actor} mask={name}"] = max(
+                (g - w).abs().max().item() for g, w in zip(got, want))
+
+rewards, values, mask = make_batch(3, 20, seed=1)
+nan, holed, half = values.clone(), mask.clone(), mask.clone()
+nan[1, -1] = float("nan")  # on padding: the CPU loop rejects it too
+holed[0, 0], half[0, -1] = 0.0, 0.5
+for name, (v, m) in {"good": (values, mask), "nan": (nan, mask), "hole": (values, holed),
+                     "half": (values, half)}.items():
+    result["rejected"][name] = kernel.lambda_returns(rewards, v, m, 1.0, 0.9, 1.0) is None
+
+# gae.py's dispatch, CPU tensors standing in for CUDA ones
+gae_fast.kernel_applies, gae_fast.compiled_loop_applies = gae_fast.compiled_loop_applies, lambda *tensors: False
+calls = []
+launch = kernel.lambda_returns
+kernel.lambda_returns = lambda *args: calls.append(1) or launch(*args)
+got = gae.compute_gae(rewards, values, mask, 1.0, 0.9)
+result["dispatch_calls"] = len(calls)
+result["dispatch_error"] = (got[0] - gae.gae_reference(rewards, values, mask, 1.0, 0.9)[0]).abs().max().item()
+try:
+    gae.compute_gae(rewards, nan, mask, 1.0, 0.9)
+    result["bad_input_message"] = None
+except ValueError as err:
+    result["bad_input_message"] = str(err)
+write_result(sys.argv[1], 0, result)

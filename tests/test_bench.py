@@ -1,0 +1,29 @@
+"""The GPU benchmarks' own code, run on the CPU: bench/mfu_bench.py's dry run and its FLOP count."""
+
+import re
+import sys
+from pathlib import Path
+
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import mfu_bench  # noqa: E402
+
+
+def test_mfu_bench_dry_run_runs_the_update_with_every_lever_and_ends_with_its_line(capsys):
+    result = mfu_bench.main(["--dry-run", "--rows", "4", "--repeats", "1", "--micro-batch-tokens", "200",
+                             "--logprob-chunk-tokens", "64", "--checkpoint-fraction", "0.5"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert "in 2 micro-batches" in out[-2]  # the token budget, not one row each
+    assert re.fullmatch(r"mfu ppo=\d+\.\d{3} bare=\d+\.\d{3} ratio=\d+\.\d{2} peak_gib=\d+\.\d", out[-1])
+    assert result["ratio"] > 0 and result["ppo"] > 0
+
+
+def test_matmul_parameters_are_the_models_projections_and_its_tied_head_once():
+    model = Qwen2ForCausalLM(Qwen2Config(**mfu_bench.TINY))
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))  # head included once
+    assert mfu_bench.matmul_parameters(mfu_bench.TINY) == linear
+    shape = mfu_bench.QWEN25_1_5B  # 1.54B parameters, 0.23B of them the embedding
+    assert 1.30e9 < mfu_bench.matmul_parameters(shape) - shape["vocab_size"] * shape["hidden_size"] < 1.32e9
+    assert mfu_bench.model_flops(shape, [8192]) == 6 * mfu_bench.matmul_parameters(shape) * 8192 + 6 * 28 * 1536 * 8192**2
