@@ -10,7 +10,6 @@ import contextlib
 import hashlib
 import io
 import json
-import os
 import re
 import runpy
 import shutil
