@@ -57,8 +57,8 @@ class Config:
     sft_steps: int | None = None
     """built-in task: SFT steps of the cold start (None: sft.py's default)"""
     task_length: Literal["short", "long"] = "short"
-    """built-in task: `short` (4-digit numbers, ~135-token responses) or `long` (16 digits, 16 to 52
-    doublings: responses of hundreds of tokens, the paper's regime; task.SHAPES)"""
+    """built-in task: `short` (4-digit numbers, ~135-token responses) or `long` (10 digits, 40 to 52
+    doublings: ~520-token responses, the paper's regime; task.SHAPES)"""
     task_train_size: int = 20000
     """built-in task: number of training problems"""
     task_eval_size: int = 64
@@ -260,10 +260,10 @@ class Config:
 PRESETS = {
     "tiny": Config(),
     # The long built-in task: ~520-token responses (26 GAE horizons at lambda 0.95), a limit that
-    # cuts pi_SFT's longest ones (scored -1), and a larger ORM data set (RESULTS.md, "The long task").
+    # cuts ~10% of the SFT mix (scored -1), and a larger ORM data set (RESULTS.md, "The long task").
     "tiny-long": Config(
-        preset="tiny-long", task_length="long", max_new_tokens=800, sft_steps=1000,
-        orm_batches=8, orm_steps=120, max_prompt_tokens=128,  # vLLM: 128 + 800 within the 1,024 positions
+        preset="tiny-long", task_length="long", max_new_tokens=600, sft_steps=2000,
+        orm_batches=8, orm_steps=120, max_prompt_tokens=128,  # vLLM: 128 + 600 within the 1,024 positions
     ),
     # Qwen2.5-32B after a short Long-CoT SFT, as in the paper; VAPO's PPO settings (actor lr 1e-6,
     # critic lr 2e-6, warm-up then constant, 8192 prompts x 1 sample, mini-batch 512), no KL term.

@@ -148,18 +148,21 @@ def orm_path(cfg) -> str:
     return os.path.join(cfg.out_dir, "_shared", "orm" if cfg.task_length == "short" else f"orm-{cfg.task_length}")
 
 
+def orm_settings(cfg) -> dict:
+    """What a cached ORM is checked against (its settings.json)."""
+    return {k: getattr(cfg, k) for k in ORM_SETTINGS}
+
+
 def check_orm(cfg) -> None:
-    """Before anything is written: a cached ORM was trained with this run's settings (its
-    settings.json says so)."""
+    """Before anything is written: a cached ORM was trained with this run's settings."""
     path = orm_path(cfg)
     if os.path.exists(path):
-        check_stage(path, {k: getattr(cfg, k) for k in ORM_SETTINGS}, remedy="delete it to train a new one")
+        check_stage(path, orm_settings(cfg), remedy="delete it to train a new one")
 
 
 def prepare_orm(cfg, sft_path: str, sampler: Sampler, records: list[dict]) -> str:
     """The ORM that plain PPO's critic starts from (`--critic-init rm`), trained once on pi_SFT's
-    graded samples (a cached stage, `rundir.build_once`); its path."""
-    check_orm(cfg)
+    graded samples (a cached stage, `rundir.build_once`, which checks a cached one's settings); its path."""
     path = orm_path(cfg)
 
     def build(staging: str) -> None:
@@ -181,5 +184,5 @@ def prepare_orm(cfg, sft_path: str, sampler: Sampler, records: list[dict]) -> st
             tqdm.write(f"ORM: {cfg.orm_steps} steps on {sum(map(len, batches)) * world_size()} graded samples, "
                        f"loss {last['orm/loss']:.3f}, sign accuracy {last['orm/sign_accuracy']:.2f} -> {path}")
 
-    build_once(path, {k: getattr(cfg, k) for k in ORM_SETTINGS}, build, remedy="delete it to train a new one")
+    build_once(path, orm_settings(cfg), build, remedy="delete it to train a new one")
     return path

@@ -20,7 +20,7 @@ import math
 import random
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -56,7 +56,7 @@ class SFTConfig:
     max_grad_norm: float = 1.0
     """gradient clipping"""
     width: int = task.WIDTH
-    """digits of x (task.SHAPES: 4 for the short task, 16 for the long one)"""
+    """digits of x (task.SHAPES: 4 for the short task, 10 for the long one)"""
     min_difficulty: int = task.DEFAULT_DIFFICULTY[0]
     """smallest k (doublings) of a training problem"""
     max_difficulty: int = task.DEFAULT_DIFFICULTY[1]
@@ -235,8 +235,10 @@ SFT_MAY_CHANGE = ("out_dir", "micro_batch_size")
 
 def sft_settings(cfg: SFTConfig) -> dict:
     """What a cached pi_SFT is checked against: every other SFTConfig field, `steps` under
-    train.py's name for it (--sft-steps)."""
-    return {("sft_steps" if k == "steps" else k): v for k, v in asdict(cfg).items() if k not in SFT_MAY_CHANGE}
+    train.py's name for it (--sft-steps). Only SFTConfig's: `python sft.py`'s report flags are not
+    part of the model it writes."""
+    return {("sft_steps" if f.name == "steps" else f.name): getattr(cfg, f.name) for f in fields(SFTConfig)
+            if f.name not in SFT_MAY_CHANGE}
 
 
 def prepare_sft(cfg) -> str:
@@ -336,7 +338,7 @@ class Args(SFTConfig):
     eval_seed: int = 1234
     """seed of the held-out problems and of sampling"""
     eval_max_new_tokens: int = 400
-    """response limit of the report's samples (the long task needs train.py's 800)"""
+    """response limit of the report's samples (the long task needs train.py's 600)"""
     threads: int = 1
     """torch CPU threads: on a shared 2-core machine 2 threads can be many times slower than 1"""
     grader_timeout_s: float = 5.0

@@ -140,8 +140,9 @@ def execute(run: Run) -> tuple[Run, float, int]:
 
 
 def run_grid(runs: list[Run], jobs: int, out_dir: str) -> tuple[float, list[Run]]:
-    """Runs what is missing, `jobs` at a time; returns the wall time and the runs that failed. The first
-    run goes alone when it has to build the shared pi_SFT (and ORM) the others reuse."""
+    """Runs what is missing, `jobs` at a time; returns the wall time and the runs that failed. When the
+    shared pi_SFT (or ORM) is missing, one run builds it first and only runs that need neither (a
+    critic from the cached pi_SFT) go beside it; the others wait for it."""
     todo = [r for r in runs if not r.done]
     failed, start = [], time.time()
     if not todo:
@@ -155,13 +156,20 @@ def run_grid(runs: list[Run], jobs: int, out_dir: str) -> tuple[float, list[Run]
         bar.update()
         tqdm.write(f"{run.dir.name}: {'done' if code == 0 else f'FAILED (exit {code})'} in {wall:.0f} s")
 
+    builder = None
     if not sft_cache.is_dir() or (needs_orm and not orm_cache.is_dir()):
         todo.sort(key=lambda r: r.config.critic_init != "rm")  # a critic-from-ORM run builds both caches
-        bar.set_postfix_str(f"{todo[0].dir.name} builds pi_SFT and the ORM")
-        finished(*execute(todo.pop(0)))
-        bar.set_postfix_str("")
+        builder = todo.pop(0)
+    beside = [r for r in todo if builder is None or (sft_cache.is_dir() and r.config.critic_init != "rm")]
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        for future in as_completed([pool.submit(execute, r) for r in todo]):
+        first = None if builder is None else pool.submit(execute, builder)  # queued first: starts first
+        futures = [pool.submit(execute, r) for r in beside]
+        if first is not None:
+            bar.set_postfix_str(f"{builder.dir.name} builds the shared pi_SFT and ORM")
+            finished(*first.result())
+            bar.set_postfix_str("")
+            futures += [pool.submit(execute, r) for r in todo if r not in beside]
+        for future in as_completed(futures):
             finished(*future.result())
     bar.close()
     return time.time() - start, failed

@@ -2,7 +2,7 @@
 
 The paper (§3.1) sees plain PPO's response length fall sharply early in training, and accuracy
 with it, while VC-PPO keeps both. This script runs the two with the same seed on the long task
-(`train.py --preset tiny-long`: ~550-token responses, 27 GAE horizons at lambda 0.95, and a
+(`train.py --preset tiny-long`: ~520-token responses, 26 GAE horizons at lambda 0.95, and a
 limit that cuts pi_SFT's longest responses):
 
 | run | train.py flags |

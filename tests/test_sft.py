@@ -118,7 +118,9 @@ def test_a_cached_pi_sft_is_reused_only_with_the_settings_it_records(tmp_path):
     from config import ConfigError
 
     cache = tmp_path / "_shared" / "sft"
-    sft.train_sft(sft.SFTConfig(out_dir=str(cache), steps=2, micro_batch_size=2))  # as `python sft.py` does
+    # As `python sft.py` does: its report flags (eval_problems, threads, ...) are not the model's settings.
+    sft.train_sft(sft.Args(out_dir=str(cache), steps=2, micro_batch_size=2, eval_problems=0, threads=2))
+    assert "threads" not in json.loads((cache / "settings.json").read_text())
     assert sft.prepare_sft(SimpleNamespace(model=None, out_dir=str(tmp_path), sft_steps=2, task_length="short")) == str(cache)
     with pytest.raises(ConfigError, match=r"sft was made with other settings \(--sft-steps 2 -> 3\)"):
         sft.prepare_sft(SimpleNamespace(model=None, out_dir=str(tmp_path), sft_steps=3, task_length="short"))

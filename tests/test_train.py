@@ -52,11 +52,16 @@ def read_metrics(run_dir):
         return [json.loads(line) for line in f]
 
 
-def test_micro_pipeline_runs_every_stage_and_logs_every_step(out_dir, sft):
+@pytest.fixture(scope="module")
+def micro_run(out_dir, sft):
+    """The whole pipeline once (it also writes this module's ORM): its summary and run directory."""
     cfg = micro_config(out_dir, "--run-name", "micro", "--steps", "2", "--value-pretrain-steps", "2",
                        "--critic-init", "rm")
-    summary = train.main(cfg)
-    run_dir = out_dir / "micro"
+    return train.main(cfg), out_dir / "micro"
+
+
+def test_micro_pipeline_runs_every_stage_and_logs_every_step(out_dir, micro_run):
+    summary, run_dir = micro_run
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1]
     for key in ("response_length/mean", "reward/accuracy", "actor/pg_loss", "critic/vf_loss",
@@ -74,11 +79,11 @@ def test_micro_pipeline_runs_every_stage_and_logs_every_step(out_dir, sft):
     assert 0.0 <= summary["ppo"]["pass@1"] <= summary["ppo"]["pass@2"] <= 1.0
 
 
-def test_critic_from_orm_and_from_sft_differ_only_in_the_head_source(out_dir, sft):
+def test_critic_from_orm_and_from_sft_differ_only_in_the_head_source(out_dir, sft, micro_run):
     from critic import load_value_model
 
     from_sft = load_value_model(sft)
-    orm = load_value_model(str(out_dir / "_shared" / "orm"))  # written by the micro pipeline test
+    orm = load_value_model(str(out_dir / "_shared" / "orm"))  # written by the micro pipeline
     assert from_sft.score.bias.item() == 0.0  # fresh head on pi_SFT
     assert orm.score.bias.item() != 0.0  # trained head of the reward model
     sft_layer = from_sft.model.layers[0].mlp.up_proj.weight
@@ -218,7 +223,7 @@ def test_a_run_directory_or_cache_made_with_other_settings_is_not_reused(tmp_pat
 
     orm = tmp_path / "_shared" / "orm"
     orm.mkdir(parents=True)
-    (orm / "settings.json").write_text(json.dumps({k: getattr(cfg, k) for k in critic.ORM_SETTINGS}))
+    (orm / "settings.json").write_text(json.dumps(critic.orm_settings(cfg)))
     rm = micro_config(tmp_path, "--critic-init", "rm")
     assert critic.prepare_orm(rm, "sft", None, []) == str(orm)  # same settings: reused
     with pytest.raises(config.ConfigError, match="orm was made with other settings .*--orm-steps 3 -> 7"):
