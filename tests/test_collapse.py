@@ -28,10 +28,11 @@ def test_length_ratio_is_the_lowest_moving_average_over_the_first_step():
         collapse.length_ratio([])
 
 
-def fake_run(out_dir: Path, variant: str, steps: int, lengths: list[float], acc: float) -> None:
-    """A finished cell as train.py leaves it, with collapse.py's own flags."""
+def fake_run(out_dir: Path, variant: str, steps: int, lengths: list[float], acc: float,
+             extra: tuple[str, ...] = ()) -> None:
+    """A finished cell as train.py leaves it, with collapse.py's own flags (and `extra` ones after them)."""
     flags = ["--out-dir", str(out_dir), "--run-name", f"ablation__{variant}__seed0", "--seed", "0",
-             "--preset", "tiny-long", "--steps", str(steps), *ablation.VARIANTS[variant][0]]
+             "--preset", "tiny-long", "--steps", str(steps), *extra, *ablation.VARIANTS[variant][0]]
     run = out_dir / f"ablation__{variant}__seed0"
     run.mkdir(parents=True)
     (run / "config.json").write_text(json.dumps(dataclasses.asdict(config.parse_config(flags))))

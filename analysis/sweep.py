@@ -1,0 +1,207 @@
+"""Where does plain PPO collapse? A small sweep on the long built-in task (paper §3.1, Fig. 1).
+
+The paper's collapse (response length, then accuracy, falling early in PPO) did not happen on the
+long task at its defaults (analysis/collapse.py, RESULTS.md "The long task"). So this script varies
+one setting at a time and runs plain PPO against VC-PPO in each cell, with the same seeds:
+
+| cell | train.py flags, after `--preset tiny-long` |
+|---|---|
+| default | `--steps 50`: the runs of `analysis/collapse.py --steps 50`, in the base --out-dir itself |
+| actor-lr-1e-4, actor-lr-2e-4 | `--steps 20 --actor-lr ...` (the default is 5e-5) |
+| lam-actor-0.99 | `--steps 20 --lam-actor 0.99` (plain PPO's critic keeps lambda 0.95) |
+| max-new-tokens-480 | `--steps 20 --max-new-tokens 480`: a limit that truncates more of pi_SFT's responses |
+
+Each cell's two runs are collapse.py's (`ppo`, `vc-ppo`, the ablation grid's cells) in
+<root>/<cell>/. A cell reuses the base --out-dir's pi_SFT, and its ORM when the ORM's settings are
+the cell's too (linked into <root>/<cell>/_shared/); otherwise its first run builds its own. Every
+run that can share the cached models is started in one pool, `--jobs` at a time.
+
+The table gives, per cell and seed, collapse.py's numbers: the length ratio (lowest 5-step moving
+average of the batch-mean length over the first step's), held-out pass@1 after PPO (pi_SFT's
+beside it), and the training accuracy over the first and last 5 steps. Cells that have not finished are
+listed as such. Flags after `--` go to every run.
+
+    python analysis/sweep.py --cells actor-lr-2e-4 actor-lr-1e-4     # runs what is missing, then the table
+    python analysis/sweep.py --read-only --out results/sweep         # the table of what has finished
+"""
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+
+from analysis import ablation, collapse
+from config import parse_config
+from critic import orm_path, orm_settings
+from sft import sft_cache_path
+
+CELLS = {  # name -> train.py flags after --preset tiny-long
+    "default": ["--steps", "50"],
+    "actor-lr-1e-4": ["--steps", "20", "--actor-lr", "1e-4"],
+    "actor-lr-2e-4": ["--steps", "20", "--actor-lr", "2e-4"],
+    "lam-actor-0.99": ["--steps", "20", "--lam-actor", "0.99"],
+    "max-new-tokens-480": ["--steps", "20", "--max-new-tokens", "480"],
+}
+WINDOW = collapse.WINDOW
+
+
+@dataclass
+class Args:
+    cells: tuple[str, ...] = tuple(CELLS)
+    """cells to run or read (see the table above)"""
+    seeds: tuple[int, ...] = (0,)
+    """seeds of both runs in every cell"""
+    out_dir: str = "runs/long"
+    """the base train.py --out-dir: the default cell's runs, and the pi_SFT and ORM that cells reuse"""
+    root: str = "runs/sweep"
+    """the other cells go to <root>/<cell>/"""
+    out: Path = Path("runs/analysis")
+    """folder that receives sweep.png, sweep.md and sweep.json"""
+    jobs: int = 2
+    """train.py processes at once"""
+    read_only: bool = False
+    """only read finished runs; never start train.py"""
+
+
+def cell_dir(args: Args, cell: str) -> str:
+    return args.out_dir if cell == "default" else os.path.join(args.root, cell)
+
+
+def link_caches(cell_out_dir: str, base_flags: list[str], cell_flags: list[str]) -> None:
+    """Link the base out-dir's pi_SFT (same task and SFT steps) and ORM (same ORM settings, which
+    include the generation limit) into the cell's _shared/, unless the cell already has its own."""
+    base, cell = parse_config(base_flags), parse_config(cell_flags)
+    same_sft = (base.task_length, base.sft_steps, base.model) == (cell.task_length, cell.sft_steps, cell.model)
+    links = [(sft_cache_path(base), sft_cache_path(cell))] if same_sft else []
+    if same_sft and orm_settings(base) == orm_settings(cell):
+        links.append((orm_path(base), orm_path(cell)))
+    for source, target in links:
+        if os.path.isdir(source) and not os.path.lexists(target):
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            os.symlink(os.path.abspath(source), target)
+
+
+def plan(args: Args, train_flags: list[str]) -> dict[str, list[ablation.Run]]:
+    unknown = [c for c in args.cells if c not in CELLS]
+    if unknown:
+        raise ValueError(f"unknown cell(s) {unknown}; choose from {list(CELLS)}")
+    runs = {}
+    for cell in args.cells:
+        out_dir = cell_dir(args, cell)
+        flags = ["--preset", "tiny-long", *CELLS[cell], *train_flags]
+        if not args.read_only:
+            link_caches(out_dir, ["--out-dir", args.out_dir, "--preset", "tiny-long", *train_flags],
+                        ["--out-dir", out_dir, *flags])
+        grid = ablation.Args(out_dir=out_dir, variants=collapse.RUNS, seeds=args.seeds)
+        runs[cell] = ablation.plan_runs(grid, flags)
+    return runs
+
+
+def run_missing(runs: dict[str, list[ablation.Run]], jobs: int) -> None:
+    """Runs whose pi_SFT and ORM both exist (or are links to the same ones) share one pool; a cell that
+    must build its own goes after, on its own."""
+    groups: dict[tuple, list[ablation.Run]] = {}
+    for cell_runs in runs.values():
+        first = cell_runs[0].config
+        caches = (sft_cache_path(first), orm_path(first))
+        key = tuple(os.path.realpath(p) for p in caches) if all(os.path.isdir(p) for p in caches) else caches
+        groups.setdefault(key, []).extend(cell_runs)
+    for group in groups.values():
+        ablation.run_grid(group, jobs, group[0].config.out_dir)
+
+
+def first_last_accuracy(rows: list[dict]) -> tuple[float, float]:
+    acc = [r["reward/accuracy"] for r in rows]
+    return float(np.mean(acc[:WINDOW])), float(np.mean(acc[-WINDOW:]))
+
+
+def measure(runs: dict[str, list[ablation.Run]]) -> dict:
+    """Per cell and seed: collapse.measure of its two runs, or None when one has not finished."""
+    out = {}
+    for cell, cell_runs in runs.items():
+        out[cell] = {"flags": CELLS[cell], "seeds": {}}
+        for seed in sorted({r.seed for r in cell_runs}):
+            pair = [r for r in cell_runs if r.seed == seed]
+            if not all(r.done for r in pair):
+                out[cell]["seeds"][seed] = None
+                continue
+            loaded = {r.variant: ablation.load(r) for r in pair}
+            m = collapse.measure(loaded)
+            for name in collapse.RUNS:
+                m["runs"][name]["train_acc_first_last"] = first_last_accuracy(loaded[name]["metrics"])
+                m["runs"][name]["dir"] = str(next(r.dir for r in pair if r.variant == name))
+            out[cell]["seeds"][seed] = m
+    return out
+
+
+def collapsed(m: dict) -> bool:
+    """The issue's criterion for plain PPO: length ratio <= 0.7 and held-out pass@1 below pi_SFT's."""
+    ppo = m["runs"]["ppo"]
+    return ppo["length_ratio"] <= 0.7 and ppo["final_acc"] < m["sft_acc"]
+
+
+def markdown(results: dict) -> str:
+    lines = ["# Where does plain PPO collapse? The sweep on the long built-in task", "",
+             f"Length ratio: lowest {WINDOW}-step moving average of the batch-mean response length over the first "
+             f"step's. pass@1: held-out, after PPO. Training accuracy: mean over the first and last {WINDOW} steps. "
+             "Collapse: plain PPO's ratio <= 0.7 and its pass@1 below pi_SFT's.", "",
+             "| cell | flags | seed | steps | pi_SFT pass@1 | ppo: length ratio | ppo: pass@1 | ppo: training acc | "
+             "vc-ppo: length ratio | vc-ppo: pass@1 | vc-ppo: training acc | collapse |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for cell, r in results.items():
+        flags = " ".join(r["flags"])
+        for seed, m in r["seeds"].items():
+            if m is None:
+                lines.append(f"| {cell} | `{flags}` | {seed} | not finished | | | | | | | | |")
+                continue
+            ppo, vc = m["runs"]["ppo"], m["runs"]["vc-ppo"]
+            cols = [f"{x['length_ratio']:.3f} | {x['final_acc']:.3f} | "
+                    f"{x['train_acc_first_last'][0]:.2f} -> {x['train_acc_first_last'][1]:.2f}" for x in (ppo, vc)]
+            lines.append(f"| {cell} | `{flags}` | {seed} | {ppo['steps']} | {m['sft_acc']:.3f} | {cols[0]} | {cols[1]} | "
+                         f"{'yes' if collapsed(m) else 'no'} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path: Path) -> None:
+    done = [(cell, seed, m) for cell, r in results.items() for seed, m in r["seeds"].items() if m is not None]
+    if not done:
+        return
+    keys = (("response_length/mean", "batch mean length"), ("reward/accuracy", "training accuracy"))
+    fig, axes = plt.subplots(len(done), 2, figsize=(11, 3 * len(done)), squeeze=False)
+    for row, (cell, seed, m) in zip(axes, done):
+        for ax, (key, label) in zip(row, keys):
+            for name in collapse.RUNS:
+                ax.plot(m["runs"][name]["curves"][key], label=name)
+            ax.set(xlabel="PPO step", ylabel=label, title=f"{cell}, seed {seed}")
+            ax.grid(alpha=0.3)
+    axes[0][0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(args: Args, train_flags: list[str]) -> dict:
+    runs = plan(args, train_flags)
+    if not args.read_only:
+        run_missing(runs, args.jobs)
+    results = measure(runs)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "sweep.md").write_text(markdown(results))
+    (args.out / "sweep.json").write_text(json.dumps(results, indent=1))
+    plot(results, args.out / "sweep.png")
+    print((args.out / "sweep.md").read_text())
+    finished = sum(m is not None for r in results.values() for m in r["seeds"].values())
+    print(f"{finished} of {sum(len(r['seeds']) for r in results.values())} cell-seeds finished; "
+          f"wrote {args.out}/sweep.md, .json and .png")
+    return results
+
+
+if __name__ == "__main__":
+    from analysis import run_cli
+
+    run_cli(main, Args, __doc__, with_train_flags=True)
