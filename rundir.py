@@ -26,6 +26,7 @@ import os
 
 from tqdm import tqdm
 
+import checkpoints
 import fsdp_utils
 from config import Config, ConfigError, check_settings
 
@@ -56,9 +57,9 @@ def check(cfg: Config) -> str:
         raise ConfigError(f"{run_dir} holds {', '.join(reused)} but no config.json, the settings "
                          f"{'they were' if len(reused) > 1 else 'it was'} made with; choose another --run-name or "
                          f"delete it")
-    found = fsdp_utils.latest_checkpoint(os.path.join(run_dir, "checkpoint"))
+    found = checkpoints.latest_checkpoint(os.path.join(run_dir, "checkpoint"))
     if cfg.resume and found:
-        step = fsdp_utils.checkpoint_extra(found)["step"]
+        step = checkpoints.checkpoint_extra(found)["step"]
         if step + 1 > cfg.steps:
             raise ConfigError(f"{found} is at step {step}, past --steps {cfg.steps}")
     return run_dir
@@ -128,7 +129,7 @@ def check_stage(path: str, settings: dict, remedy: str = "delete it to build it 
 
 
 def save(cfg, run_dir: str, step: int, models: dict, optimizers: dict, schedulers: list) -> None:
-    fsdp_utils.save_checkpoint(
+    checkpoints.save_checkpoint(
         os.path.join(run_dir, "checkpoint"), models, optimizers,
         {"step": step, "schedulers": [s.state_dict() for s in schedulers], "config": dataclasses.asdict(cfg),
          "world_size": fsdp_utils.world_size()},
@@ -138,9 +139,9 @@ def save(cfg, run_dir: str, step: int, models: dict, optimizers: dict, scheduler
 def resume(cfg, run_dir: str, models: dict, optimizers: dict, schedulers: list) -> int:
     """With --resume, restore the newest complete checkpoint in place; the step to start from."""
     ckpt = os.path.join(run_dir, "checkpoint")
-    found = fsdp_utils.latest_checkpoint(ckpt)
+    found = checkpoints.latest_checkpoint(ckpt)
     if cfg.resume and found:
-        extra = fsdp_utils.load_checkpoint(found, models, optimizers)  # start <= cfg.steps: see check
+        extra = checkpoints.load_checkpoint(found, models, optimizers)  # start <= cfg.steps: see check
         start, saved_world, world = extra["step"] + 1, extra.get("world_size", 1), fsdp_utils.world_size()
         for scheduler, state in zip(schedulers, extra["schedulers"]):
             scheduler.load_state_dict(state)
@@ -157,7 +158,7 @@ def resume(cfg, run_dir: str, models: dict, optimizers: dict, schedulers: list) 
 
 def last_checkpoint(run_dir: str) -> str:
     """The newest checkpoint a stopped run left, as a sentence."""
-    found = fsdp_utils.latest_checkpoint(os.path.join(run_dir, "checkpoint"))
+    found = checkpoints.latest_checkpoint(os.path.join(run_dir, "checkpoint"))
     return f"Last checkpoint: {found}." if found else "No checkpoint yet."
 
 

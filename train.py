@@ -24,6 +24,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+import checkpoints
 import fsdp_utils
 import memory_plan
 import rundir
@@ -211,7 +212,7 @@ def check_diverged(metrics: dict, models: dict) -> None:
 def load_actor(cfg, path: str, dist_info):
     """pi_SFT as a causal LM (the actor, and the frozen reference policy of --kl-coef): sharded
     under torchrun without a whole model on any rank; one process keeps it whole on its device."""
-    return fsdp_utils.load_pretrained(AutoModelForCausalLM, path, device=dist_info.device,
+    return checkpoints.load_pretrained(AutoModelForCausalLM, path, device=dist_info.device,
                                       **fsdp_utils.shard_options(cfg))
 
 
@@ -312,6 +313,8 @@ def main(cfg: Config) -> dict:
     if fsdp_utils.is_main():
         rundir.write_json(os.path.join(run_dir, "summary.json"), summary)
         print_summary(summary, run_dir)
+    fsdp_utils.barrier()  # every rank is done generating before any engine goes
+    sampler.engine.close()
     fsdp_utils.close_distributed()
     return summary
 
@@ -337,6 +340,6 @@ if __name__ == "__main__":
         main(parse_config(sys.argv[1:], description=__doc__))
     # Bad settings or input, a diverged model, an unreadable checkpoint: the message says which and where.
     except (ConfigError, DataError, ModelError, FileNotFoundError, FloatingPointError,
-            fsdp_utils.CheckpointError) as err:
+            checkpoints.CheckpointError) as err:
         sys.exit(f"error: {err}")
     fsdp_utils.exit_now_if_gloo()  # torchrun on CPU: see there why

@@ -22,8 +22,8 @@ from tqdm import tqdm
 
 from critic import critic_loss, response_values
 from data import sample_prompts, stream_seed
-from fsdp_utils import (export_hf_checkpoint, is_main, latest_checkpoint, load_checkpoint, reduce_metrics,
-                        remove_checkpoint, save_checkpoint)
+from fsdp_utils import is_main, reduce_metrics
+from checkpoints import export_hf_checkpoint, latest_checkpoint, load_checkpoint, remove_checkpoint, save_checkpoint
 from gae import compute_gae
 from ppo import assert_finite, check_masked_inputs, explained_variance, micro_batched_forward, update_model
 from rundir import build_once, json_safe

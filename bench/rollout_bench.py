@@ -38,7 +38,7 @@ def measure(args) -> dict:
     prompts = [tokenizer(p["prompt"]).input_ids for p in make_problems(args.prompts, seed=0)]
     start = time.perf_counter()
     if args.backend == "vllm":
-        from fsdp_utils import export_hf_checkpoint
+        from checkpoints import export_hf_checkpoint
         from rollout import VLLMRollout
 
         path = os.path.join(tempfile.mkdtemp(), "model")

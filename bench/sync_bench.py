@@ -40,7 +40,8 @@ def worker(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from fsdp_utils import export_hf_checkpoint, init_distributed, is_main, shard_model
+    from fsdp_utils import init_distributed, is_main, shard_model
+    from checkpoints import export_hf_checkpoint
     from rollout import VLLMRollout
     from task import build_tokenizer, make_tiny_model
 

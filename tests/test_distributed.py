@@ -12,8 +12,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from dist_workers.common import run_torchrun, tiny_actor
-import fsdp_utils
-from fsdp_utils import export_hf_checkpoint, iter_full_weights, shard_model
+import checkpoints
+from checkpoints import export_hf_checkpoint, iter_full_weights
+from fsdp_utils import shard_model
 
 # fp32 on CPU: the sharded step reorders sums (reduce-scatter), nothing else differs.
 LOSS_RTOL, GRAD_ATOL = 1e-6, 1e-6
@@ -188,8 +189,8 @@ def test_a_save_killed_between_its_renames_resumes_from_the_newest_complete_chec
     _, model = tiny_actor()
     models, optimizers = {"actor": model}, {"actor": torch.optim.AdamW(model.parameters())}
     path = str(tmp_path / "checkpoint")
-    assert fsdp_utils.latest_checkpoint(path) is None
-    fsdp_utils.save_checkpoint(path, models, optimizers, {"step": 1})
+    assert checkpoints.latest_checkpoint(path) is None
+    checkpoints.save_checkpoint(path, models, optimizers, {"step": 1})
     real_replace, calls = os.replace, []
 
     def killed_after_first_rename(src, dst):
@@ -198,22 +199,22 @@ def test_a_save_killed_between_its_renames_resumes_from_the_newest_complete_chec
             raise KeyboardInterrupt
         real_replace(src, dst)
 
-    monkeypatch.setattr(fsdp_utils.os, "replace", killed_after_first_rename)
+    monkeypatch.setattr(checkpoints.os, "replace", killed_after_first_rename)
     with pytest.raises(KeyboardInterrupt):
-        fsdp_utils.save_checkpoint(path, models, optimizers, {"step": 2})
+        checkpoints.save_checkpoint(path, models, optimizers, {"step": 2})
     monkeypatch.undo()
     assert not os.path.exists(path)
-    assert fsdp_utils.latest_checkpoint(path) == path + ".tmp"  # step 2, complete
-    assert fsdp_utils.load_checkpoint(path + ".tmp", models, optimizers)["step"] == 2
+    assert checkpoints.latest_checkpoint(path) == path + ".tmp"  # step 2, complete
+    assert checkpoints.load_checkpoint(path + ".tmp", models, optimizers)["step"] == 2
     os.remove(os.path.join(path + ".tmp", "extra.pt"))  # as if killed while writing step 2
-    assert fsdp_utils.latest_checkpoint(path) == path + ".old"
-    fsdp_utils.save_checkpoint(path, models, optimizers, {"step": 3})  # and the next save cleans up
+    assert checkpoints.latest_checkpoint(path) == path + ".old"
+    checkpoints.save_checkpoint(path, models, optimizers, {"step": 3})  # and the next save cleans up
     assert sorted(os.listdir(tmp_path)) == ["checkpoint"]
-    assert fsdp_utils.load_checkpoint(fsdp_utils.latest_checkpoint(path), models, optimizers)["step"] == 3
+    assert checkpoints.load_checkpoint(checkpoints.latest_checkpoint(path), models, optimizers)["step"] == 3
     os.makedirs(os.path.join(path + ".old", "half-deleted"))  # killed while removing the previous one
-    fsdp_utils.save_checkpoint(path, models, optimizers, {"step": 4})
+    checkpoints.save_checkpoint(path, models, optimizers, {"step": 4})
     assert sorted(os.listdir(tmp_path)) == ["checkpoint"]
-    assert fsdp_utils.load_checkpoint(fsdp_utils.latest_checkpoint(path), models, optimizers)["step"] == 4
+    assert checkpoints.load_checkpoint(checkpoints.latest_checkpoint(path), models, optimizers)["step"] == 4
 
 
 def test_bucket_size_must_be_positive():
@@ -265,7 +266,7 @@ def test_memory_plan_host_constants_are_the_codes():
 
     import memory_plan
 
-    assert memory_plan.READ_BYTES == fsdp_utils.READ_BYTES
+    assert memory_plan.READ_BYTES == checkpoints.READ_BYTES
     assert memory_plan.EXPORT_SHARD_BYTES == inspect.signature(export_hf_checkpoint).parameters["shard_bytes"].default
 
 

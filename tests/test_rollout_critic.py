@@ -9,7 +9,7 @@ import torch
 
 import task
 from critic import load_value_model, response_values, value_outputs
-from fsdp_utils import CheckpointError
+from checkpoints import CheckpointError
 from ppo import assert_finite, response_logprobs
 from rollout import HFRollout, decode_responses, left_pad
 

@@ -14,7 +14,7 @@ import pytest
 
 import config
 import critic
-import fsdp_utils
+import checkpoints
 import rundir
 import train
 from verifier import GradeResult
@@ -245,7 +245,7 @@ def test_unreadable_checkpoint_and_diverged_model_stop_with_a_message(out_dir, s
                                 "--resume"))
     shard = next((out_dir / "corrupt" / "checkpoint").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:1000])  # a truncated file
-    with pytest.raises(fsdp_utils.CheckpointError, match=r"cannot resume from .*corrupt/checkpoint \(CheckpointException"):
+    with pytest.raises(checkpoints.CheckpointError, match=r"cannot resume from .*corrupt/checkpoint \(CheckpointException"):
         train.main(micro_config(out_dir, "--run-name", "corrupt", "--steps", "2", "--value-pretrain-steps", "0",
                                 "--resume"))
     # The critic's first mini-batch step sends it to inf: its second mini-batch's values are NaN.
@@ -341,6 +341,8 @@ def test_whole_pipeline_runs_under_torchrun_with_fsdp2_and_vllm(tmp_path):
            "--rollout", "vllm", "--tensor-parallel-size", "2"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
+    # vLLM's clean-up at exit printed "Invalid process group" on every rank when the default group went first.
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
     run_dir = tmp_path / "tiny__sft__seed0"
     assert [r["step"] for r in read_metrics(run_dir)] == [0, 1]
     assert (run_dir / "summary.json").exists() and (run_dir / "value_pretrain" / "critic").is_dir()

@@ -1,6 +1,6 @@
 """One process without torchrun, on the path one GPU takes (tests/test_distributed.py): it joins a
 process group of its one rank (fsdp_utils.launch_as_one_rank; gloo here, nccl on a GPU) and
-train.load_actor (fsdp_utils.load_pretrained) wraps the actor in FSDP2. The PPO actor update of that model, with and without
+train.load_actor (checkpoints.load_pretrained) wraps the actor in FSDP2. The PPO actor update of that model, with and without
 activation checkpointing, against the same update of the plain model before the group existed.
 Writes rank0.json into argv[1]."""
 
@@ -9,6 +9,7 @@ import sys
 import torch
 from torch.distributed.tensor import DTensor
 
+import checkpoints
 import fsdp_utils
 import train
 from common import PROMPTS, tiny_actor, write_result
@@ -29,7 +30,7 @@ def update(model):
     """Two AdamW steps of the actor; its metrics and full weights after them."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     metrics = update_model(cfg, model, optimizer, batch, rows, train.actor_loss, seed=0, prefix="actor")
-    return metrics, {n: t.clone() for bucket in fsdp_utils.iter_full_weights(model) for n, t in bucket}
+    return metrics, {n: t.clone() for bucket in checkpoints.iter_full_weights(model) for n, t in bucket}
 
 
 plain_metrics, plain_weights = update(tiny_actor()[1])

@@ -1,0 +1,340 @@
+"""Checkpoints in and out of the sharded trainer: Hugging Face checkpoints loaded into FSDP2
+shards, DCP training checkpoints, and full weights streamed out.
+
+Hugging Face checkpoints enter the trainer sharded (`load_pretrained`): under torchrun the model is
+built on the meta device, `fully_shard`ed (fsdp_utils.shard_model), and each rank reads only its
+own rows of each tensor from the safetensors files, so no rank ever holds a whole model (torchtitan
+and verl load the same way); one process loads with `from_pretrained`, as anyone would.
+
+Training checkpoints (`save_checkpoint`, `load_checkpoint`) are torch.distributed.checkpoint (DCP)
+directories, written by the same code in one process and under torchrun, and renamed into place so
+that a killed save keeps the previous one.
+
+Full (unsharded) weights leave the trainer in two ways, both streamed one bounded bucket at a
+time so no rank ever holds the whole model (TRL #7131): into the vLLM engine after each update
+(`iter_full_weights`, used by `rollout.VLLMRollout.sync_weights`) and into a Hugging Face
+checkpoint (`export_hf_checkpoint`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import logging
+import math
+import os
+import shutil
+import warnings
+from typing import Iterator
+
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor, Shard
+
+from fsdp_utils import barrier, is_main, local_device, rank, shard_model, world_size
+
+# DCP warns on every save/load in a single process; that is this project's everyday case.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+
+# Each rank reads its rows of a tensor at most this many bytes at a time: with the bf16 or fp32
+# copy in flight and the file pages it maps, loading adds about twice this to the rank's shards.
+READ_BYTES = 64 << 20
+
+
+def load_pretrained(model_class, path: str, config=None, fresh=(), device=None, **shard_options):
+    """`model_class.from_pretrained(path)` in fp32; sharded by `shard_model(model, **shard_options)`
+    under torchrun.
+
+    One process: `from_pretrained`, moved to `device` if given, then `shard_model` (FSDP2 over a
+    group of one rank on a GPU, see `init_distributed`; unsharded on the CPU). Under torchrun: the model is built
+    from its config on the meta device (no memory), sharded, given memory for this rank's shards
+    only (on its GPU, or on CPU with cpu_offload), and filled from the checkpoint's safetensors
+    files, each rank reading only its rows of each tensor, READ_BYTES at a time. bf16 checkpoints
+    widen to fp32 exactly; a tied head stays the embedding (one parameter, read once). Names in
+    `fresh` (a new value head) may be absent from the checkpoint and are left for the caller to
+    initialise, on every rank alike; any other absent tensor is an error.
+    """
+    if world_size() == 1:
+        with _load_report_held_back():  # its table is checked here instead, as the sharded path checks
+            model, loaded = model_class.from_pretrained(path, config=config, dtype=torch.float32,
+                                                        output_loading_info=True)
+        problems = [f"no tensor {name} in the checkpoint" for name in sorted(set(loaded["missing_keys"]) - set(fresh))]
+        problems += [f"{mismatch} has the wrong shape" for mismatch in loaded["mismatched_keys"]]
+        if problems:
+            raise CheckpointError(f"{path}: {'; '.join(problems)} (a {model_class.__name__} needs them)")
+        # FSDP2 over a one-rank group on a GPU; on the CPU, the same model with the checkpointing asked for
+        return shard_model(model if device is None else model.to(device), **shard_options)
+    from tqdm import tqdm
+    from transformers import AutoConfig, GenerationConfig
+
+    config = config if config is not None else AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = model_class.from_config(config, dtype=torch.float32)
+    model = shard_model(model, **shard_options)
+    offloaded = shard_options.get("cpu_offload") and torch.cuda.is_available()
+    model.to_empty(device="cpu" if offloaded else local_device())
+    # Buffers outside the state dict (the rotary inverse frequencies) came out of to_empty as
+    # garbage: recompute them as from_pretrained does, with the model's own initialiser.
+    for module in model.modules():
+        if module._non_persistent_buffers_set:
+            model._init_weights(module)
+    weights = _safetensors_index(path)
+    saved = model.state_dict().keys()  # parameters (a tied one under both names) and persistent buffers
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    for name, tensor in tqdm(tensors, desc=f"loading {os.path.basename(path)} (shards)", leave=False,
+                             disable=rank() != 0, dynamic_ncols=True):
+        if name not in saved:
+            continue
+        if name in weights:
+            _read_local_rows(tensor, weights[name], name)
+        elif name not in fresh:
+            raise CheckpointError(f"{path}: no tensor {name} in the checkpoint (a {type(model).__name__} "
+                                  f"needs it)")
+    model.eval()  # as from_pretrained leaves it
+    if model.can_generate() and os.path.exists(os.path.join(path, "generation_config.json")):
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    return model
+
+
+@contextlib.contextmanager
+def _load_report_held_back():
+    """transformers logs a warning table ("... LOAD REPORT ...") for every tensor missing from a
+    checkpoint, a fresh value head included; during the block it is dropped."""
+    logger = logging.getLogger("transformers.modeling_utils")
+    drop = lambda record: "LOAD REPORT" not in record.getMessage()
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
+
+
+
+def copy_local_rows(tensor: torch.Tensor, full: torch.Tensor) -> None:
+    """Write this rank's rows of `full` into `tensor` (an FSDP2 parameter or a plain tensor)."""
+    local, rows = _local_rows(tensor)
+    with torch.no_grad():
+        local.copy_(full[rows] if full.dim() else full)
+
+
+def _local_rows(tensor: torch.Tensor) -> tuple[torch.Tensor, slice]:
+    """This rank's part of `tensor` and the rows of the full tensor it holds. FSDP2 shards dim 0
+    in torch.chunk's pieces: ceil(n / world) rows per rank, fewer (or none) on the last ones."""
+    if not isinstance(tensor, DTensor):
+        return tensor, slice(0, tensor.shape[0] if tensor.dim() else 1)
+    if tensor.device_mesh.ndim != 1 or tensor.placements != (Shard(0),):
+        raise ValueError(f"expected FSDP2's Shard(0) on a 1-D mesh, got {tensor.placements}")
+    n, ranks = tensor.shape[0], tensor.device_mesh.size()
+    start = min(tensor.device_mesh.get_local_rank() * -(-n // ranks), n)
+    local = tensor.to_local()
+    return local, slice(start, start + local.shape[0])
+
+
+def _read_local_rows(tensor: torch.Tensor, file: str, name: str) -> None:
+    """This rank's rows of `name` from a safetensors file into `tensor`, READ_BYTES at a time.
+    Each read opens the file anew: the pages it maps are released with it."""
+    local, rows = _local_rows(tensor)
+    with safe_open(file, framework="pt") as f:
+        shape = tuple(f.get_slice(name).get_shape())
+    if shape != tuple(tensor.shape):
+        raise CheckpointError(f"{file}: {name} has shape {shape}, the model wants {tuple(tensor.shape)}")
+    with torch.no_grad():
+        if not shape:
+            with safe_open(file, framework="pt") as f:
+                local.copy_(f.get_tensor(name))
+            return
+        row_bytes = max(math.prod(shape[1:]) * tensor.element_size(), 1)
+        step = max(READ_BYTES // row_bytes, 1)
+        for start in range(rows.start, rows.stop, step):
+            stop = min(start + step, rows.stop)
+            with safe_open(file, framework="pt") as f:
+                local[start - rows.start : stop - rows.start].copy_(f.get_slice(name)[start:stop])
+
+
+def _safetensors_index(path: str) -> dict[str, str]:
+    """{tensor name: file} of the Hugging Face checkpoint at `path` (one file or an index)."""
+    index, single = os.path.join(path, "model.safetensors.index.json"), os.path.join(path, "model.safetensors")
+    if os.path.exists(index):
+        with open(index) as f:
+            return {name: os.path.join(path, file) for name, file in json.load(f)["weight_map"].items()}
+    if os.path.exists(single):
+        with safe_open(single, framework="pt") as f:
+            return {name: single for name in f.keys()}
+    raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json (under torchrun the "
+                          f"checkpoint is read as safetensors, each rank its own rows)")
+
+
+def save_checkpoint(path: str, models: dict, optimizers: dict, extra: dict) -> None:
+    """Models + optimizers (sharded or not) + plain extras (step, RNG, config) into `path`.
+
+    Written to `path.tmp` and renamed, so a run killed while saving keeps the previous checkpoint
+    (`latest_checkpoint` finds it, whichever step the kill came at).
+    """
+    state = {}
+    for name, model in models.items():
+        model_sd, optim_sd = get_state_dict(model, optimizers[name])
+        state[name] = {"model": model_sd, "optim": optim_sd}
+    tmp = path + ".tmp"
+    if is_main():  # a complete tmp left by a killed save must not mix with this one's files
+        shutil.rmtree(tmp, ignore_errors=True)
+    barrier()
+    dcp.save(state, checkpoint_id=tmp)
+    if is_main():
+        torch.save(extra, os.path.join(tmp, "extra.pt"))
+        if os.path.exists(path):
+            shutil.rmtree(path + ".old", ignore_errors=True)  # half deleted by a kill: path is newer
+            os.replace(path, path + ".old")
+        os.replace(tmp, path)
+        shutil.rmtree(path + ".old", ignore_errors=True)
+    barrier()
+
+
+def remove_checkpoint(path: str) -> None:
+    """Delete what `save_checkpoint(path, ...)` left, a killed save's leftovers included (rank 0)."""
+    if is_main():
+        for leftover in (path, path + ".tmp", path + ".old"):
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def latest_checkpoint(path: str) -> str | None:
+    """The newest complete checkpoint that `save_checkpoint(path, ...)` left, or None. A save
+    killed between its two renames leaves no `path`, the new one at `path.tmp` (complete once
+    extra.pt, written last, is there) and the previous one at `path.old`."""
+    for candidate in (path, path + ".tmp", path + ".old"):
+        if os.path.exists(os.path.join(candidate, "extra.pt")):
+            return candidate
+    return None
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be restored (truncated, or written by another configuration), or a
+    Hugging Face checkpoint that cannot be loaded into the model's shards."""
+
+
+def checkpoint_extra(path: str) -> dict:
+    """The plain extras (step, ...) of a checkpoint that `save_checkpoint` wrote, nothing restored."""
+    try:
+        return torch.load(os.path.join(path, "extra.pt"), weights_only=False)
+    except Exception as err:  # a truncated or foreign file
+        raise CheckpointError(f"cannot read {path}/extra.pt ({type(err).__name__}: {err})") from None
+
+
+def load_checkpoint(path: str, models: dict, optimizers: dict) -> dict:
+    """Restore what `save_checkpoint` wrote, in place; returns the extras."""
+    state = {}
+    for name, model in models.items():
+        model_sd, optim_sd = get_state_dict(model, optimizers[name])
+        state[name] = {"model": model_sd, "optim": optim_sd}
+    try:
+        dcp.load(state, checkpoint_id=path)
+        extra = torch.load(os.path.join(path, "extra.pt"), weights_only=False)
+    except (Exception, dcp.api.CheckpointException) as err:  # DCP's is a BaseException
+        cause = (str(err).strip().splitlines() or [""])[-1][:200]  # DCP puts each rank's traceback in it
+        raise CheckpointError(f"cannot resume from {path} ({type(err).__name__}: {cause})") from None
+    for name, model in models.items():
+        set_state_dict(
+            model,
+            optimizers[name],
+            model_state_dict=state[name]["model"],
+            optim_state_dict=state[name]["optim"],
+        )
+    return extra
+
+
+def iter_full_weights(
+    model: torch.nn.Module, bucket_bytes: int = 1 << 30, dtype: torch.dtype | None = None
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Full weights under their Hugging Face names, one bucket of about `bucket_bytes` at a time.
+
+    Sharded tensors are gathered one by one (`full_tensor()`, a collective: every rank must
+    iterate to the end); a bucket is released when the caller moves on, so the peak is one bucket
+    plus one tensor. Unsharded models yield their own tensors (detached, no copy unless `dtype`).
+    """
+    state = model.state_dict()
+    for names in _bucket_plan(model, state, bucket_bytes, dtype):
+        bucket = []
+        for name in names:
+            tensor = state[name]
+            if isinstance(tensor, DTensor):
+                if tensor.device.type != tensor.device_mesh.device_type:  # CPU-offloaded shard
+                    tensor = tensor.to(tensor.device_mesh.device_type)
+                tensor = tensor.full_tensor()
+            tensor = tensor.detach()
+            bucket.append((name, tensor if dtype is None else tensor.to(dtype)))
+        yield bucket
+
+
+def export_hf_checkpoint(
+    model: torch.nn.Module,
+    tokenizer,
+    path: str,
+    shard_bytes: int = 4 << 30,
+    dtype: torch.dtype | None = None,
+) -> None:
+    """A Hugging Face checkpoint (config, safetensors shards + index, tokenizer) in `path`.
+
+    Collective under torchrun. Rank 0 writes each shard as soon as its tensors are gathered, so
+    memory stays at one shard. Tied weights are written once, as `save_pretrained` does. Written
+    to `path.tmp` and renamed, so a stale shard of an earlier export never survives.
+    """
+    state = model.state_dict()
+    plan = _bucket_plan(model, state, shard_bytes, dtype)
+    files = (
+        ["model.safetensors"]
+        if len(plan) == 1
+        else [f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))]
+    )
+    tmp = path + ".tmp"
+    if is_main():
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        config = copy.deepcopy(model.config)
+        config.dtype = dtype or next(iter(state.values())).dtype
+        # What save_pretrained records: loaders tell a critic (scalar head) from a causal LM by it.
+        config.architectures = [type(model).__name__.removeprefix("FSDP")]  # fully_shard renames
+        config.save_pretrained(tmp)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+    weight_map, total = {}, 0
+    for file, bucket in zip(files, iter_full_weights(model, shard_bytes, dtype)):
+        if is_main():
+            tensors = {name: t.cpu().contiguous() for name, t in bucket}
+            save_file(tensors, os.path.join(tmp, file), metadata={"format": "pt"})
+            weight_map.update({name: file for name in tensors})
+            total += sum(t.numel() * t.element_size() for t in tensors.values())
+        del bucket
+    if is_main():
+        if len(files) > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+                json.dump(index, f, indent=2)
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
+    barrier()
+
+
+def _bucket_plan(model, state: dict, bucket_bytes: int, dtype) -> list[list[str]]:
+    """State-dict names grouped into buckets from their global shapes (no communication).
+
+    Each tensor appears once: a tied head (lm_head = embedding) is skipped under its second name,
+    and non-persistent buffers (rotary tables) are not in the state dict at all.
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    own = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
+    plan, bucket, size = [], [], 0
+    for name, tensor in state.items():
+        if name not in own:
+            continue
+        bucket.append(name)
+        size += tensor.numel() * (dtype or tensor.dtype).itemsize
+        if size >= bucket_bytes:
+            plan, bucket, size = plan + [bucket], [], 0
+    return plan + [bucket] if bucket else plan
