@@ -32,7 +32,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from safetensors.torch import save_file
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
+                                                     set_state_dict)
 from torch.distributed.tensor import DTensor, Shard
 
 from fsdp_utils import barrier, is_main, local_device, rank, shard_model, world_size
@@ -244,6 +245,18 @@ def load_checkpoint(path: str, models: dict, optimizers: dict) -> dict:
             optim_state_dict=state[name]["optim"],
         )
     return extra
+
+
+def load_model_weights(path: str, name: str, model: torch.nn.Module) -> None:
+    """Only the weights of `name` (e.g. "actor") from what `save_checkpoint` wrote, in place: no
+    optimizer, no extras (a finished run's policy, for analysis)."""
+    state = {name: {"model": get_model_state_dict(model)}}
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except (Exception, dcp.api.CheckpointException) as err:
+        cause = (str(err).strip().splitlines() or [""])[-1][:200]
+        raise CheckpointError(f"cannot read {name} from {path} ({type(err).__name__}: {cause})") from None
+    set_model_state_dict(model, state[name]["model"])
 
 
 def iter_full_weights(

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+import checkpoints
 import config
 import critic
-import checkpoints
 import rundir
 import train
 from verifier import GradeResult
@@ -89,6 +89,33 @@ def test_critic_from_orm_and_from_sft_differ_only_in_the_head_source(out_dir, sf
     sft_layer = from_sft.model.layers[0].mlp.up_proj.weight
     orm_layer = orm.model.layers[0].mlp.up_proj.weight
     assert sft_layer.shape == orm_layer.shape and not sft_layer.equal(orm_layer)  # ORM backbone trained
+
+
+def test_the_actor_alone_is_read_from_a_checkpoint_as_the_whole_restore_reads_it(out_dir, sft, micro_run, tmp_path):
+    """checkpoints.load_model_weights (the analysis scripts' reader) against load_checkpoint (resume)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from analysis import strategies
+    from critic import load_value_model
+
+    _, run_dir = micro_run
+    found = checkpoints.latest_checkpoint(str(run_dir / "checkpoint"))
+    models = {"actor": AutoModelForCausalLM.from_pretrained(sft),
+              "critic": load_value_model(str(run_dir / "value_pretrain" / "critic"))}
+    optimizers = {name: torch.optim.AdamW(m.parameters()) for name, m in models.items()}
+    checkpoints.load_checkpoint(found, models, optimizers)
+    alone = AutoModelForCausalLM.from_pretrained(sft)
+    checkpoints.load_model_weights(found, "actor", alone)
+    restored, pi_sft = models["actor"].state_dict(), AutoModelForCausalLM.from_pretrained(sft).state_dict()
+    assert all(alone.state_dict()[k].equal(restored[k]) for k in restored)
+    assert any(not pi_sft[k].equal(restored[k]) for k in restored)  # two PPO steps moved the actor
+    with pytest.raises(checkpoints.CheckpointError, match="cannot read critic"):
+        checkpoints.load_model_weights(found, "critic", AutoModelForCausalLM.from_pretrained(sft))
+
+    reports = strategies.main(strategies.Args(runs=(run_dir,), problems=3, out=tmp_path))
+    assert list(reports) == ["pi_SFT", str(run_dir)] and all(r["n"] == 3 for r in reports.values())
+    assert len([line for line in (tmp_path / "strategies.md").read_text().splitlines() if line.startswith("| ")]) == 3  # header + 2 policies
 
 
 class EasyProblemGrader:

@@ -1,0 +1,106 @@
+"""What PPO did to the chain of thought (paper §3.1: the collapse is the policy cutting its
+reasoning short, and its accuracy falls with it).
+
+On the built-in task a response is a full chain (one doubling a line), a merged one (several
+doublings on some lines) or a shortcut (an answer boxed before the chain is done, which at the
+long task's lengths is never right). This script samples pi_SFT and the actor of each finished
+train.py run, from its last checkpoint, on the same held-out problems, and tabulates for each the
+pass@1, the share and accuracy of every strategy, and the per-line accuracy of the worked lines
+(`sft.evaluate_task`). So a fall in accuracy reads as either fewer worked chains or worse lines.
+
+    python analysis/strategies.py runs/sweep/actor-lr-2e-4/ablation__ppo__seed0 \\
+        runs/sweep/actor-lr-2e-4/ablation__vc-ppo__seed0 --out results/sweep
+"""
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import tyro
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import task
+from checkpoints import latest_checkpoint, load_model_weights
+from config import Config
+from sft import evaluate_task, sft_cache_path
+
+STRATEGIES = ("full", "merged", "shortcut", "invalid")
+
+
+@dataclass
+class Args:
+    runs: tyro.conf.Positional[tuple[Path, ...]]
+    """finished train.py run directories of the built-in task, all with the same pi_SFT"""
+    problems: int = 128
+    """held-out problems, one sample each"""
+    seed: int = 1234
+    """seed of the problems and of sampling"""
+    out: Path = Path("runs/analysis")
+    """folder that receives strategies.md and strategies.json"""
+
+
+def run_config(run: Path) -> Config:
+    saved = run / "config.json"
+    if not saved.is_file():
+        raise FileNotFoundError(f"{run}: no config.json (not a train.py run directory)")
+    fields = {f.name for f in dataclasses.fields(Config)}
+    return Config(**{k: v for k, v in json.loads(saved.read_text()).items() if k in fields})
+
+
+def final_actor(run: Path, sft_path: str) -> torch.nn.Module:
+    found = latest_checkpoint(str(run / "checkpoint"))
+    if found is None:
+        raise FileNotFoundError(f"{run}: no checkpoint to read the actor from")
+    actor = AutoModelForCausalLM.from_pretrained(sft_path, dtype=torch.float32)
+    load_model_weights(found, "actor", actor)
+    return actor.eval()
+
+
+def row(name: str, report: dict) -> str:
+    cells = []
+    for s in STRATEGIES:
+        v = report["by_strategy"].get(s)
+        cells.append("-" if v is None else f"{v['share']:.2f} ({v['accuracy']:.2f})")
+    lines = [f"{acc:.3f}" if acc is not None else "-" for acc, _ in report["line_accuracy"].values()]
+    return f"| {name} | {report['accuracy']:.3f} | {report['mean_length']:.0f} | {' | '.join(cells)} | {' | '.join(lines)} |"
+
+
+def main(args: Args) -> dict:
+    if not args.runs:
+        raise ValueError("give at least one run directory")
+    configs = [run_config(run) for run in args.runs]
+    base = configs[0]
+    if any((c.task_length, c.sft_steps, c.model, c.data) != (base.task_length, base.sft_steps, None, None)
+           for c in configs):
+        raise ValueError("the runs must share the built-in task's pi_SFT (same --task-length and --sft-steps)")
+    sft_path = sft_cache_path(base)
+    tokenizer = AutoTokenizer.from_pretrained(sft_path)
+    shape = task.SHAPES[base.task_length]
+    problems = task.make_problems(args.problems, args.seed, *shape.difficulty, shape.width)
+    policies = {"pi_SFT": lambda: AutoModelForCausalLM.from_pretrained(sft_path, dtype=torch.float32).eval()}
+    policies.update({str(run): (lambda run=run: final_actor(run, sft_path)) for run in args.runs})
+    reports = {}
+    for name, load in policies.items():
+        reports[name] = evaluate_task(load(), tokenizer, problems, max_new_tokens=base.max_new_tokens,
+                                      temperature=base.temperature, seed=args.seed,
+                                      grader_timeout_s=base.grader_timeout_s)
+        print(f"{name}: pass@1 {reports[name]['accuracy']:.3f}", flush=True)
+    lines = [f"# Strategies after PPO: {args.problems} held-out problems of k {shape.difficulty[0]}-"
+             f"{shape.difficulty[1]}, one sample each (temperature {base.temperature}, {base.max_new_tokens} tokens)",
+             "", "Each strategy: share of responses (its accuracy). Line accuracy: worked lines that are right.", "",
+             "| policy | pass@1 | mean length | " + " | ".join(STRATEGIES) + " | line acc., single | line acc., merged |",
+             "|---|---|---|" + "---|" * len(STRATEGIES) + "---|---|"]
+    lines += [row(name, r) for name, r in reports.items()]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "strategies.md").write_text("\n".join(lines) + "\n")
+    (args.out / "strategies.json").write_text(json.dumps(reports, indent=1))
+    print("\n".join(lines))
+    print(f"wrote {args.out}/strategies.md and .json")
+    return reports
+
+
+if __name__ == "__main__":
+    from analysis import run_cli
+
+    run_cli(main, Args, __doc__)
