@@ -15,7 +15,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from data import stream_seed
-from fsdp_utils import rank, world_size
+from fsdp_utils import distributed, rank, world_size
 from rundir import write_json
 from sampling import Sampler
 
@@ -54,7 +54,7 @@ def evaluate(sampler: Sampler, records: list[dict], tag: str) -> dict:
             if count:  # only the shown samples' texts travel between ranks
                 samples.append((i, scored.outcomes[j].item() > 0, batch.lengths[j].item(),
                                 batch.finish_reasons[j] == "length", scored.texts[j] if i < SHOWN_SAMPLES else ""))
-    if dist.is_initialized():
+    if distributed():
         gathered = [None] * world_size()
         dist.all_gather_object(gathered, samples)
         samples = sorted((s for part in gathered for s in part), key=lambda s: s[0])  # stable

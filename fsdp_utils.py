@@ -73,10 +73,17 @@ def check_gpu_options(mixed_precision: bool, cpu_offload: bool) -> None:
                              f"drop the flag (the CPU trains in fp32 with the parameters in memory)")
 
 
+def distributed() -> bool:
+    """Whether this process trains as a rank of a process group: torchrun's, or a GPU's group of
+    one (`init_distributed`). Not in one CPU process, even once vLLM has started a group of one
+    there: that group is its engine's (vLLM closes it), and the trainer's models stay unsharded."""
+    return "RANK" in os.environ and dist.is_initialized()
+
+
 def close_distributed() -> None:
     """Leave torchrun's process group once every rank is done (a no-op in one process): a rank
     that exits with the group still up can abort while the others still talk to it."""
-    if dist.is_initialized():
+    if distributed():
         barrier()
         dist.destroy_process_group()
 
@@ -154,7 +161,7 @@ def shard_model(
     check_gpu_options(mixed_precision, cpu_offload)
     if not 0 < checkpoint_fraction <= 1:
         raise ValueError(f"checkpoint_fraction must be in (0, 1], got {checkpoint_fraction}")
-    layers = _decoder_layers(model) if dist.is_initialized() or compile_layers or checkpoint_fraction < 1 else []
+    layers = _decoder_layers(model) if distributed() or compile_layers or checkpoint_fraction < 1 else []
     if activation_checkpointing:
         # Hugging Face's per-layer checkpointing keeps parameter names as they are; torch's
         # checkpoint_wrapper would prefix them, and vLLM and exports need Hugging Face names.
@@ -166,7 +173,7 @@ def shard_model(
     if compile_layers:
         for layer in layers:
             layer.compile()
-    if not dist.is_initialized():
+    if not distributed():
         return model
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     options: dict = {"mesh": init_device_mesh(device_type, (dist.get_world_size(),))}
@@ -206,7 +213,7 @@ def shard_options(cfg) -> dict:
 
 def rank() -> int:
     """This process's rank under torchrun; 0 in one process."""
-    return dist.get_rank() if dist.is_initialized() else 0
+    return dist.get_rank() if distributed() else 0
 
 
 def is_main() -> bool:
@@ -216,7 +223,7 @@ def is_main() -> bool:
 
 def world_size() -> int:
     """torchrun's number of ranks; 1 in one process."""
-    return dist.get_world_size() if dist.is_initialized() else 1
+    return dist.get_world_size() if distributed() else 1
 
 
 def local_device() -> torch.device:
@@ -226,5 +233,5 @@ def local_device() -> torch.device:
 
 def barrier() -> None:
     """Wait for every rank (a no-op in one process)."""
-    if dist.is_initialized():
+    if distributed():
         dist.barrier()

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fsdp_utils import all_reduce, local_device, rank, world_size
+from fsdp_utils import all_reduce, distributed, local_device, rank, world_size
 from checkpoints import iter_full_weights
 from gae_fast import llvmlite_hidden
 
@@ -270,7 +270,7 @@ class VLLMRollout:
             memory = {"dtype": "bfloat16", "gpu_memory_utilization": gpu_memory_utilization, "enable_sleep_mode": True}
         else:  # on CPU the "GPU" share would be of host memory: size the KV cache directly
             memory = {"dtype": "float32", "kv_cache_memory_bytes": cpu_kv_cache_bytes}
-        if dist.is_initialized():
+        if distributed():
             memory["distributed_executor_backend"] = "external_launcher"
             if world > self.tp:
                 memory["data_parallel_size"] = world // self.tp

@@ -126,6 +126,35 @@ sys.exit(3)  # reached only if the process did not leave at once
 """
 
 
+FOREIGN_GROUP_WORKER = """
+import json, os, socket, sys
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from transformers import Qwen2Config, Qwen2ForCausalLM
+import fsdp_utils
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+# What vLLM's engine does in one CPU process: a gloo group of one, without torchrun's environment.
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+model = Qwen2ForCausalLM(Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                     num_attention_heads=2, num_key_value_heads=1))
+sharded = isinstance(fsdp_utils.shard_model(model), FSDPModule)
+fsdp_utils.close_distributed()
+result = {"sharded": sharded, "distributed": fsdp_utils.distributed(), "group_left_alone": dist.is_initialized()}
+dist.destroy_process_group()
+with open(os.path.join(sys.argv[1], "rank0.json"), "w") as f:
+    json.dump(result, f)
+"""
+
+
+def test_a_process_group_vllm_started_in_one_process_is_not_the_trainers(tmp_path):
+    script = tmp_path / "foreign_group_worker.py"
+    script.write_text(FOREIGN_GROUP_WORKER)
+    [result] = run_torchrun(str(script), str(tmp_path), nproc=0)
+    assert result == {"sharded": False, "distributed": False, "group_left_alone": True}
+
+
 @pytest.mark.slow
 def test_gloo_workers_leave_at_once_after_close_distributed(tmp_path):
     # Interpreter shutdown with gloo threads alive can abort a rank (see exit_now_if_gloo).
