@@ -151,7 +151,7 @@ def markdown(results: dict) -> str:
              f"step's. pass@1: held-out, after PPO. Training accuracy: mean over the first and last {WINDOW} steps. "
              "Collapse: plain PPO's ratio <= 0.7 and its pass@1 below pi_SFT's.", "",
              "| cell | flags | seed | steps | pi_SFT pass@1 | ppo: length ratio | ppo: pass@1 | ppo: training acc | "
-             "vc-ppo: length ratio | vc-ppo: pass@1 | vc-ppo: training acc | collapse |",
+             "vc-ppo: length ratio | vc-ppo: pass@1 | vc-ppo: training acc | plain PPO collapses |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for cell, r in results.items():
         flags = " ".join(r["flags"])
