@@ -225,6 +225,11 @@ def checkpoint_extra(path: str) -> dict:
         raise CheckpointError(f"cannot read {path}/extra.pt ({type(err).__name__}: {err})") from None
 
 
+def _reason(err: BaseException) -> str:
+    """A failed load in one line: DCP's exception holds each rank's traceback, whose last line says why."""
+    return f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[-1][:200]}"
+
+
 def load_checkpoint(path: str, models: dict, optimizers: dict) -> dict:
     """Restore what `save_checkpoint` wrote, in place; returns the extras."""
     state = {}
@@ -235,8 +240,7 @@ def load_checkpoint(path: str, models: dict, optimizers: dict) -> dict:
         dcp.load(state, checkpoint_id=path)
         extra = torch.load(os.path.join(path, "extra.pt"), weights_only=False)
     except (Exception, dcp.api.CheckpointException) as err:  # DCP's is a BaseException
-        cause = (str(err).strip().splitlines() or [""])[-1][:200]  # DCP puts each rank's traceback in it
-        raise CheckpointError(f"cannot resume from {path} ({type(err).__name__}: {cause})") from None
+        raise CheckpointError(f"cannot resume from {path} ({_reason(err)})") from None
     for name, model in models.items():
         set_state_dict(
             model,
@@ -254,8 +258,7 @@ def load_model_weights(path: str, name: str, model: torch.nn.Module) -> None:
     try:
         dcp.load(state, checkpoint_id=path)
     except (Exception, dcp.api.CheckpointException) as err:
-        cause = (str(err).strip().splitlines() or [""])[-1][:200]
-        raise CheckpointError(f"cannot read {name} from {path} ({type(err).__name__}: {cause})") from None
+        raise CheckpointError(f"cannot read {name} from {path} ({_reason(err)})") from None
     set_model_state_dict(model, state[name]["model"])
 
 

@@ -241,6 +241,14 @@ def sft_settings(cfg: SFTConfig) -> dict:
             if f.name not in SFT_MAY_CHANGE}
 
 
+def sft_config(cfg) -> SFTConfig:
+    """The cold start a train.py run of the built-in task asks for: its task's shape, `cfg.sft_steps`
+    steps (None: the default)."""
+    shape = task.SHAPES[cfg.task_length]
+    return SFTConfig(steps=cfg.sft_steps or SFTConfig.steps, width=shape.width,
+                     min_difficulty=shape.sft_difficulty[0], max_difficulty=shape.sft_difficulty[1])
+
+
 def prepare_sft(cfg) -> str:
     """The pi_SFT of a run (`train.py`'s first stage): `cfg.model` when given (checked), else the
     built-in task's cold start (of `cfg.task_length`), trained once into `sft_cache_path`
@@ -250,9 +258,7 @@ def prepare_sft(cfg) -> str:
         check_model(cfg.model)
         return cfg.model
     path = Path(sft_cache_path(cfg))
-    shape = task.SHAPES[cfg.task_length]
-    wanted = SFTConfig(steps=cfg.sft_steps or SFTConfig.steps, width=shape.width,
-                       min_difficulty=shape.sft_difficulty[0], max_difficulty=shape.sft_difficulty[1])
+    wanted = sft_config(cfg)
 
     def build(staging: str) -> None:
         if is_main():  # under torchrun rank 0 trains it once; the others wait for it

@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import task
 from checkpoints import latest_checkpoint, load_model_weights
 from config import Config
-from sft import evaluate_task, sft_cache_path
+from sft import evaluate_task, sft_cache_path, sft_config, sft_settings
 
 STRATEGIES = ("full", "merged", "shortcut", "invalid")
 
@@ -71,8 +71,7 @@ def main(args: Args) -> dict:
         raise ValueError("give at least one run directory")
     configs = [run_config(run) for run in args.runs]
     base = configs[0]
-    if any((c.task_length, c.sft_steps, c.model, c.data) != (base.task_length, base.sft_steps, None, None)
-           for c in configs):
+    if any(c.model or c.data or sft_settings(sft_config(c)) != sft_settings(sft_config(base)) for c in configs):
         raise ValueError("the runs must share the built-in task's pi_SFT (same --task-length and --sft-steps)")
     sft_path = sft_cache_path(base)
     tokenizer = AutoTokenizer.from_pretrained(sft_path)

@@ -38,7 +38,7 @@ import numpy as np
 from analysis import ablation, collapse
 from config import parse_config
 from critic import orm_path, orm_settings
-from sft import sft_cache_path
+from sft import sft_cache_path, sft_config, sft_settings
 
 CELLS = {  # name -> train.py flags after --preset tiny-long
     "default": ["--steps", "50"],
@@ -73,10 +73,10 @@ def cell_dir(args: Args, cell: str) -> str:
 
 
 def link_caches(cell_out_dir: str, base_flags: list[str], cell_flags: list[str]) -> None:
-    """Link the base out-dir's pi_SFT (same task and SFT steps) and ORM (same ORM settings, which
+    """Link the base out-dir's pi_SFT (same SFT settings) and ORM (same ORM settings, which
     include the generation limit) into the cell's _shared/, unless the cell already has its own."""
     base, cell = parse_config(base_flags), parse_config(cell_flags)
-    same_sft = (base.task_length, base.sft_steps, base.model) == (cell.task_length, cell.sft_steps, cell.model)
+    same_sft = (base.model, sft_settings(sft_config(base))) == (cell.model, sft_settings(sft_config(cell)))
     links = [(sft_cache_path(base), sft_cache_path(cell))] if same_sft else []
     if same_sft and orm_settings(base) == orm_settings(cell):
         links.append((orm_path(base), orm_path(cell)))
