@@ -18,8 +18,11 @@ run that can share the cached models is started in one pool, `--jobs` at a time.
 
 The table gives, per cell and seed, collapse.py's numbers: the length ratio (lowest 5-step moving
 average of the batch-mean length over the first step's), held-out pass@1 after PPO (pi_SFT's
-beside it), and the training accuracy over the first and last 5 steps. Cells that have not finished are
-listed as such. Flags after `--` go to every run.
+beside it), and the training accuracy over the first and last 5 steps; a cell with more than one
+finished seed gets a row of means (± sample std) over them. The last two columns apply the goal of
+collapse.py's issue to each seed: plain PPO collapses (ratio <= 0.7, pass@1 below pi_SFT's) and
+VC-PPO holds (ratio >= 0.9, pass@1 at least pi_SFT's). Cells that have not finished, or not
+started, are listed as such. Flags after `--` go to every run.
 
     python analysis/sweep.py --cells actor-lr-2e-4 actor-lr-1e-4     # runs what is missing, then the table
     python analysis/sweep.py --read-only --out results/sweep         # the table of what has finished
@@ -121,14 +124,14 @@ def first_last_accuracy(rows: list[dict]) -> tuple[float, float]:
 
 
 def measure(runs: dict[str, list[ablation.Run]]) -> dict:
-    """Per cell and seed: collapse.measure of its two runs, or None when one has not finished."""
+    """Per cell and seed: collapse.measure of its two runs, or "not finished" / "not started"."""
     out = {}
     for cell, cell_runs in runs.items():
         out[cell] = {"flags": CELLS[cell], "seeds": {}}
         for seed in sorted({r.seed for r in cell_runs}):
             pair = [r for r in cell_runs if r.seed == seed]
             if not all(r.done for r in pair):
-                out[cell]["seeds"][seed] = None
+                out[cell]["seeds"][seed] = "not finished" if any(r.dir.exists() for r in pair) else "not started"
                 continue
             loaded = {r.variant: ablation.load(r) for r in pair}
             m = collapse.measure(loaded)
@@ -139,10 +142,40 @@ def measure(runs: dict[str, list[ablation.Run]]) -> dict:
     return out
 
 
+def finished(seeds: dict) -> dict:
+    return {seed: m for seed, m in seeds.items() if isinstance(m, dict)}
+
+
 def collapsed(m: dict) -> bool:
     """The issue's criterion for plain PPO: length ratio <= 0.7 and held-out pass@1 below pi_SFT's."""
     ppo = m["runs"]["ppo"]
     return ppo["length_ratio"] <= 0.7 and ppo["final_acc"] < m["sft_acc"]
+
+
+def held(m: dict) -> bool:
+    """The issue's criterion for VC-PPO: length ratio >= 0.9 and held-out pass@1 at least pi_SFT's."""
+    vc = m["runs"]["vc-ppo"]
+    return vc["length_ratio"] >= 0.9 and vc["final_acc"] >= m["sft_acc"]
+
+
+def over_seeds(cell: str, flags: str, done: dict) -> str:
+    """The row of means (± sample std) over a cell's finished seeds."""
+    ms = list(done.values())
+
+    def stat(values):
+        mean, std = ablation.mean_std(values)
+        return f"{mean:.3f} ± {std:.3f}"
+
+    def run_cols(run):
+        rs = [m["runs"][run] for m in ms]
+        first, last = (np.mean([r["train_acc_first_last"][i] for r in rs]) for i in (0, 1))
+        return (f"{stat([r['length_ratio'] for r in rs])} | {stat([r['final_acc'] for r in rs])} | "
+                f"{first:.2f} -> {last:.2f}")
+
+    cols = [run_cols(run) for run in collapse.RUNS]
+    return (f"| {cell} | `{flags}` | **mean of {len(ms)}** | {ms[0]['runs']['ppo']['steps']} | "
+            f"{stat([m['sft_acc'] for m in ms])} | "
+            f"{cols[0]} | {cols[1]} | {sum(map(collapsed, ms))} of {len(ms)} | {sum(map(held, ms))} of {len(ms)} |")
 
 
 def markdown(results: dict) -> str:
@@ -151,24 +184,26 @@ def markdown(results: dict) -> str:
              f"step's. pass@1: held-out, after PPO. Training accuracy: mean over the first and last {WINDOW} steps. "
              "Collapse: plain PPO's ratio <= 0.7 and its pass@1 below pi_SFT's.", "",
              "| cell | flags | seed | steps | pi_SFT pass@1 | ppo: length ratio | ppo: pass@1 | ppo: training acc | "
-             "vc-ppo: length ratio | vc-ppo: pass@1 | vc-ppo: training acc | plain PPO collapses |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "vc-ppo: length ratio | vc-ppo: pass@1 | vc-ppo: training acc | plain PPO collapses | VC-PPO holds |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for cell, r in results.items():
         flags = " ".join(r["flags"])
         for seed, m in r["seeds"].items():
-            if m is None:
-                lines.append(f"| {cell} | `{flags}` | {seed} | not finished | | | | | | | | |")
+            if not isinstance(m, dict):
+                lines.append(f"| {cell} | `{flags}` | {seed} | {m} | | | | | | | | | |")
                 continue
             ppo, vc = m["runs"]["ppo"], m["runs"]["vc-ppo"]
             cols = [f"{x['length_ratio']:.3f} | {x['final_acc']:.3f} | "
                     f"{x['train_acc_first_last'][0]:.2f} -> {x['train_acc_first_last'][1]:.2f}" for x in (ppo, vc)]
             lines.append(f"| {cell} | `{flags}` | {seed} | {ppo['steps']} | {m['sft_acc']:.3f} | {cols[0]} | {cols[1]} | "
-                         f"{'yes' if collapsed(m) else 'no'} |")
+                         f"{'yes' if collapsed(m) else 'no'} | {'yes' if held(m) else 'no'} |")
+        if len(done := finished(r["seeds"])) > 1:
+            lines.append(over_seeds(cell, flags, done))
     return "\n".join(lines) + "\n"
 
 
 def plot(results: dict, path: Path) -> None:
-    done = [(cell, seed, m) for cell, r in results.items() for seed, m in r["seeds"].items() if m is not None]
+    done = [(cell, seed, m) for cell, r in results.items() for seed, m in finished(r["seeds"]).items()]
     if not done:
         return
     keys = (("response_length/mean", "batch mean length"), ("reward/accuracy", "training accuracy"))
@@ -195,8 +230,8 @@ def main(args: Args, train_flags: list[str]) -> dict:
     (args.out / "sweep.json").write_text(json.dumps(results, indent=1))
     plot(results, args.out / "sweep.png")
     print((args.out / "sweep.md").read_text())
-    finished = sum(m is not None for r in results.values() for m in r["seeds"].values())
-    print(f"{finished} of {sum(len(r['seeds']) for r in results.values())} cell-seeds finished; "
+    count = sum(len(finished(r["seeds"])) for r in results.values())
+    print(f"{count} of {sum(len(r['seeds']) for r in results.values())} cell-seeds finished; "
           f"wrote {args.out}/sweep.md, .json and .png")
     return results
 

@@ -29,11 +29,11 @@ def test_length_ratio_is_the_lowest_moving_average_over_the_first_step():
 
 
 def fake_run(out_dir: Path, variant: str, steps: int, lengths: list[float], acc: float,
-             extra: tuple[str, ...] = ()) -> None:
+             extra: tuple[str, ...] = (), seed: int = 0) -> None:
     """A finished cell as train.py leaves it, with collapse.py's own flags (and `extra` ones after them)."""
-    flags = ["--out-dir", str(out_dir), "--run-name", f"ablation__{variant}__seed0", "--seed", "0",
+    flags = ["--out-dir", str(out_dir), "--run-name", f"ablation__{variant}__seed{seed}", "--seed", str(seed),
              "--preset", "tiny-long", "--steps", str(steps), *extra, *ablation.VARIANTS[variant][0]]
-    run = out_dir / f"ablation__{variant}__seed0"
+    run = out_dir / f"ablation__{variant}__seed{seed}"
     run.mkdir(parents=True)
     (run / "config.json").write_text(json.dumps(dataclasses.asdict(config.parse_config(flags))))
     rows = [{"step": i, "response_length/mean": n, "response_length/truncated_frac": 0.1, "reward/accuracy": 0.2,

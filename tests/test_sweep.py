@@ -31,18 +31,30 @@ def test_reads_finished_cells_and_lists_the_others(tmp_path):
     base, root = tmp_path / "base", tmp_path / "sweep"
     fake_run(base, "ppo", 50, [600, 500, 300, 200, 200, 200], 0.1)  # default cell (6 of 50 steps): PPO collapses
     fake_run(base, "vc-ppo", 50, [600, 620, 640, 650, 660, 670], 0.4)
-    lr = ("--actor-lr", "2e-4")
-    fake_run(root / "actor-lr-2e-4", "ppo", 20, [600, 610, 620, 630, 640, 650], 0.3, extra=lr)
-    fake_run(root / "actor-lr-2e-4", "vc-ppo", 20, [600, 590, 580, 570, 560, 550], 0.3, extra=lr)
-    args = sweep.Args(cells=("default", "actor-lr-2e-4", "lam-actor-0.99"), out_dir=str(base), root=str(root),
-                      out=tmp_path / "out", read_only=True)
+    lr, cell = ("--actor-lr", "2e-4"), root / "actor-lr-2e-4"
+    fake_run(cell, "ppo", 20, [600, 610, 620, 630, 640, 650], 0.3, extra=lr)
+    fake_run(cell, "vc-ppo", 20, [600, 500, 450, 450, 450, 450], 0.3, extra=lr)  # shortens: ratio 0.767
+    fake_run(cell, "ppo", 20, [600, 400, 300, 300, 300, 300], 0.2, extra=lr, seed=1)  # collapses on seed 1
+    fake_run(cell, "vc-ppo", 20, [600, 600, 600, 600, 600, 600], 0.3, extra=lr, seed=1)
+    (cell / "ablation__ppo__seed2").mkdir()  # seed 2 was started, and stopped
+    args = sweep.Args(cells=("default", "actor-lr-2e-4", "lam-actor-0.99"), seeds=(0, 1, 2), out_dir=str(base),
+                      root=str(root), out=tmp_path / "out", read_only=True)
     results = sweep.main(args, [])
-    assert sweep.collapsed(results["default"]["seeds"][0])
+    assert sweep.collapsed(results["default"]["seeds"][0]) and sweep.held(results["default"]["seeds"][0])
     assert not sweep.collapsed(results["actor-lr-2e-4"]["seeds"][0])  # accuracy 0.3 is above pi_SFT's 0.25
-    assert results["lam-actor-0.99"]["seeds"][0] is None
+    assert not sweep.held(results["actor-lr-2e-4"]["seeds"][0])
+    assert results["default"]["seeds"][1] == "not started"
+    assert results["actor-lr-2e-4"]["seeds"][2] == "not finished"
     rows = [r for r in (tmp_path / "out" / "sweep.md").read_text().splitlines() if r.startswith("| ")][1:]
-    assert rows[0].startswith("| default | `--steps 50` | 0 | 6 | 0.250 | 0.467 | 0.100 |") and rows[0].endswith("| yes |")
-    assert rows[1].endswith("| no |") and "| 1.033 | 0.300 |" in rows[1]
-    assert "not finished" in rows[2]
+    assert rows[0].startswith("| default | `--steps 50` | 0 | 6 | 0.250 | 0.467 | 0.100 |")
+    assert rows[0].endswith("| yes | yes |")
+    assert "| 1.033 | 0.300 |" in rows[3] and rows[3].endswith("| no | no |")
+    assert rows[4].endswith("| yes | yes |")
+    assert "| 2 | not finished |" in rows[5]
+    # Seeds 0 and 1 of the cell: ppo's ratios 1.033 and 0.533, pass@1 0.3 and 0.2 (sample std 0.071).
+    assert rows[6].startswith("| actor-lr-2e-4 | `--steps 20 --actor-lr 2e-4` | **mean of 2** | 6 | 0.250 ± 0.000 | "
+                              "0.783 ± 0.354 | 0.250 ± 0.071 | 0.20 -> 0.20 |")
+    assert rows[6].endswith("| 1 of 2 | 1 of 2 |")
+    assert all("not started" in r for r in rows[7:]) and len(rows) == 10
     assert json.loads((tmp_path / "out" / "sweep.json").read_text())["default"]["seeds"]["0"]["sft_acc"] == 0.25
     assert (tmp_path / "out" / "sweep.png").stat().st_size > 0
