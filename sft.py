@@ -283,8 +283,8 @@ def evaluate_task(model, tokenizer, problems: list[dict], max_new_tokens: int = 
             batch = engine.generate(ids, max_new_tokens, temperature=temperature, seed=seed + i)
             texts = decode_responses(tokenizer, batch)
             outcomes = grader.grade(texts, [p["answer"] for p in chunk]).outcomes
-            for p, text, outcome, n in zip(chunk, texts, outcomes, batch.lengths.tolist()):
-                rows.append((p, task.parse_response(p["prompt"], text), outcome > 0, n))
+            for p, text, outcome, n, finish in zip(chunk, texts, outcomes, batch.lengths.tolist(), batch.finish_reasons):
+                rows.append((p, task.parse_response(p["prompt"], text), outcome > 0, n, finish == "length"))
     return summarize(rows)
 
 
@@ -294,12 +294,13 @@ def _stats(rows: list[tuple]) -> dict:
 
 
 def summarize(rows: list[tuple], bucket: int = 4) -> dict:
-    """rows of (problem, Trace, correct, length) -> accuracy and length overall, by strategy, by
+    """rows of (problem, Trace, correct, length, truncated) -> accuracy and length overall, by strategy, by
     difficulty (grouped by `bucket`, with the shortcut share and both strategies' accuracy), and
-    per-line accuracy of single and merged lines."""
+    per-line accuracy of single and merged lines. A response cut off at the token limit is its own
+    strategy, "truncated", rather than "invalid" (it has no box); its worked lines still count."""
     by_strategy, by_bucket, line_ok = defaultdict(list), defaultdict(list), {"single": [], "merged": []}
     for r in rows:
-        by_strategy[r[1].strategy].append(r)
+        by_strategy["truncated" if r[4] else r[1].strategy].append(r)
         by_bucket[(r[0]["difficulty"] - 1) // bucket].append(r)
         for ok, steps in zip(r[1].line_ok, r[1].line_steps):
             line_ok["single" if steps == 1 else "merged"].append(ok)

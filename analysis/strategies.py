@@ -3,7 +3,8 @@ reasoning short, and its accuracy falls with it).
 
 On the built-in task a response is a full chain (one doubling a line), a merged one (several
 doublings on some lines) or a shortcut (an answer boxed before the chain is done, which at the
-long task's lengths is never right). This script samples pi_SFT and the actor of each finished
+long task's lengths is never right); a response that is none of these is invalid (malformed, or no
+box), or truncated (cut off at the run's max_new_tokens). This script samples pi_SFT and the actor of each finished
 train.py run, from its last checkpoint, on the same held-out problems, and tabulates for each the
 pass@1, the share and accuracy of every strategy, and the per-line accuracy of the worked lines
 (`sft.evaluate_task`). So a fall in accuracy reads as either fewer worked chains or worse lines.
@@ -25,7 +26,7 @@ from checkpoints import latest_checkpoint, load_model_weights
 from config import Config
 from sft import evaluate_task, sft_cache_path, sft_config, sft_settings
 
-STRATEGIES = ("full", "merged", "shortcut", "invalid")
+STRATEGIES = ("full", "merged", "shortcut", "invalid", "truncated")
 
 
 @dataclass

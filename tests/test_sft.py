@@ -68,8 +68,8 @@ def test_report_counts_strategies_and_line_accuracy():
     u = lines[0].index(":") + 1
     lines[0] = lines[0][:u] + str((int(lines[0][u]) + 1) % 10) + lines[0][u + 1 :]  # slip in line 1 only
     slipped, shortcut = "\n".join(lines), "\\boxed{1}"
-    rows = [(p, task.parse_response(p["prompt"], r), task.parse_response(p["prompt"], r).boxed == p["answer"], len(r))
-            for r in (full, slipped, shortcut, "garbage")]
+    rows = [(p, task.parse_response(p["prompt"], r), task.parse_response(p["prompt"], r).boxed == p["answer"], len(r),
+             False) for r in (full, slipped, shortcut, "garbage")]
     report = sft.summarize(rows)
     assert report["accuracy"] == 0.5  # the slip only changed a digit of line 1, not the box
     assert report["by_strategy"]["full"]["share"] == 0.5 and report["by_strategy"]["full"]["accuracy"] == 1.0
@@ -78,6 +78,9 @@ def test_report_counts_strategies_and_line_accuracy():
     assert report["by_difficulty"]["1-4"]["shortcut_share"] == 0.25
     assert report["by_difficulty"]["1-4"]["worked_accuracy"] == 1.0
     assert "| 1-4 | 4 | 0.50 |" in sft.format_report(report)
+    cut = "\n".join(full.split("\n")[:3])  # two right lines, cut off in the third
+    report = sft.summarize([(p, task.parse_response(p["prompt"], cut), False, len(cut), True)])
+    assert list(report["by_strategy"]) == ["truncated"] and report["line_accuracy"]["single"] == (1.0, 2)
 
 
 def test_evaluate_task_samples_and_parses_an_untrained_model():
