@@ -34,7 +34,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import rundir
 from analysis import run_cli
 from config import parse_config
-from critic import load_value_model, orm_path, orm_scores, prepare_orm, response_values
+from critic import check_orm, load_value_model, orm_path, orm_scores, prepare_orm, response_values
 from data import prepare_data, sample_prompts, stream_seed
 from fsdp_utils import local_device
 from gae import compute_gae
@@ -425,6 +425,8 @@ def main(args: Args, train_argv: list[str] = ()) -> BiasResult:
     cfg = parse_config(list(train_argv))
     if args.critic is None:
         rundir.check(cfg)  # the run's value-pretrained critic belongs to the settings in its config.json
+    if args.orm is None:
+        check_orm(cfg)  # train.py's cached ORM was trained with these flags' settings
     paths = default_paths(args, cfg)
     if args.build and args.sft is None:
         paths["sft"] = prepare_sft(cfg)  # train.py's SFT stage (cached)

@@ -11,7 +11,7 @@ import rundir
 import task
 from analysis import advantage_bias, value_pretrain_curves
 from config import parse_config
-from critic import load_value_model
+from critic import load_value_model, orm_settings
 
 RUN = "tinyrun"
 # train.py's flags of that run (a micro one)
@@ -23,7 +23,8 @@ FLAGS = ["--run-name", RUN, "--task-train-size", "16", "--task-eval-size", "4", 
 def run_root(tmp_path_factory):
     """<root>/_shared/{sft,orm} and <root>/tinyrun/value_pretrain/{critic/,curve.jsonl}, as train.py lays them out."""
     root = tmp_path_factory.mktemp("runs")
-    rundir.prepare(parse_config(["--out-dir", str(root), *FLAGS]))  # the run's config.json
+    cfg = parse_config(["--out-dir", str(root), *FLAGS])
+    rundir.prepare(cfg)  # the run's config.json
     tokenizer = task.build_tokenizer()
     sft = root / "_shared" / "sft"
     task.make_tiny_model(tokenizer, num_layers=2, intermediate_size=256).save_pretrained(sft)
@@ -34,6 +35,7 @@ def run_root(tmp_path_factory):
         with torch.no_grad():
             critic.score.bias.fill_(bias)  # distinct heads, so the three curves differ
         critic.save_pretrained(where)
+    (root / "_shared" / "orm" / rundir.STAGE_SETTINGS).write_text(json.dumps(orm_settings(cfg)))  # as prepare_orm does
     return root
 
 
@@ -110,6 +112,13 @@ def write_curve(run_dir, rows):
     path = run_dir / "value_pretrain" / "curve.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_an_orm_trained_with_other_settings_is_refused_before_sampling(run_root, tmp_path):
+    args = advantage_bias.Args(out=tmp_path, critic=str(run_root / RUN / "value_pretrain" / "critic"))
+    with pytest.raises(rundir.ConfigError, match="other settings .--max-new-tokens 20 -> 24"):
+        advantage_bias.main(args, ["--out-dir", str(run_root), *FLAGS, "--max-new-tokens", "24"])
+    assert not any(tmp_path.iterdir())
 
 
 def test_value_pretrain_curves_reads_values_back_exactly_and_writes_both_files(tmp_path):
