@@ -19,6 +19,7 @@ import json
 import math
 import random
 import time
+import zipfile
 from collections import defaultdict
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -211,15 +212,19 @@ def check_model(path: str, weights: bool = True) -> None:
     found = [name for name in WEIGHT_FILES if (root / name).is_file()]
     if not found:
         raise ModelError(f"{where}: no weights (none of {', '.join(WEIGHT_FILES)})")
-    shards = [root / found[0]] if found[0] == "model.safetensors" else []
-    if found[0] == "model.safetensors.index.json":
+    shards = [root / found[0]]
+    if found[0].endswith(".index.json"):
         try:
             shards = [root / name for name in sorted(set(json.loads((root / found[0]).read_text())["weight_map"].values()))]
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
-            raise ModelError(f"{where}: model.safetensors.index.json is not a weight map") from None
+            raise ModelError(f"{where}: {found[0]} is not a weight map") from None
     from safetensors import SafetensorError, safe_open
 
     for shard in shards:
+        if shard.suffix == ".bin":  # torch.save's zip archive: a cut file has lost its central directory
+            if not zipfile.is_zipfile(shard):
+                raise ModelError(f"{where}: {shard.name} is unreadable, truncated? (not a complete torch.save archive)")
+            continue
         try:
             with safe_open(str(shard), framework="pt"):
                 pass

@@ -19,8 +19,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 import task
+from sft import ModelError, check_model
 
 ROOT = Path(__file__).resolve().parents[1]
 MICRO = [  # a few seconds per stage, as in test_train.py
@@ -256,6 +259,18 @@ def test_a_bad_model_directory_stops_with_one_line_naming_it(out_dir, sft, tmp_p
         else:
             refused(out_dir, "--model", path, match=rf"--model {re.escape(path)}: {fault}", command=plan)
     assert not (out_dir / "badmodel").exists()
+
+
+def test_pytorch_model_bin_weights_are_checked_like_safetensors(sft, tmp_path):
+    path = tmp_path / "bin"
+    shutil.copytree(sft, path)
+    torch.save(load_file(path / "model.safetensors"), path / "pytorch_model.bin")  # the older format
+    (path / "model.safetensors").unlink()
+    check_model(str(path))  # complete: accepted
+    weights = path / "pytorch_model.bin"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ModelError, match="pytorch_model.bin is unreadable, truncated"):
+        check_model(str(path))
 
 
 def test_a_bad_model_directory_prints_one_line_from_the_real_command_line(sft, tmp_path):
