@@ -16,7 +16,7 @@ def test_a_cell_links_pi_sft_and_links_the_orm_only_when_its_settings_are_the_ce
     base = tmp_path / "base"
     make_caches(base)
     base_flags = ["--out-dir", str(base), "--preset", "tiny-long"]
-    for cell, orm_shared in (("actor-lr-2e-4", True), ("max-new-tokens-480", False)):
+    for cell, orm_shared in (("actor-lr-2e-4", True), ("max-new-tokens-560", False)):
         out = tmp_path / "sweep" / cell
         sweep.link_caches(str(out), base_flags, ["--out-dir", str(out), "--preset", "tiny-long", *sweep.CELLS[cell]])
         assert (out / "_shared" / "sft-long").resolve() == (base / "_shared" / "sft-long").resolve()
