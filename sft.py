@@ -301,8 +301,9 @@ def _stats(rows: list[tuple]) -> dict:
 def summarize(rows: list[tuple], bucket: int = 4) -> dict:
     """rows of (problem, Trace, correct, length, truncated) -> accuracy and length overall, by strategy, by
     difficulty (grouped by `bucket`, with the shortcut share and both strategies' accuracy), and
-    per-line accuracy of single and merged lines. A response cut off at the token limit is its own
-    strategy, "truncated", rather than "invalid" (it has no box); its worked lines still count."""
+    per-line accuracy of single and merged lines, and the share of the worked doublings that merged
+    lines did (how much the reasoning was compressed). A response cut off at the token limit is its
+    own strategy, "truncated", rather than "invalid" (it has no box); its worked lines still count."""
     by_strategy, by_bucket, line_ok = defaultdict(list), defaultdict(list), {"single": [], "merged": []}
     for r in rows:
         by_strategy["truncated" if r[4] else r[1].strategy].append(r)
@@ -320,6 +321,8 @@ def summarize(rows: list[tuple], bucket: int = 4) -> dict:
             "shortcut_accuracy": _stats(short)["accuracy"] if short else None,
             "worked_accuracy": _stats(worked)["accuracy"] if worked else None}
     out["line_accuracy"] = {kind: (sum(v) / len(v) if v else None, len(v)) for kind, v in line_ok.items()}
+    doublings = [n for r in rows for n in r[1].line_steps]
+    out["merged_doubling_share"] = sum(n for n in doublings if n > 1) / sum(doublings) if doublings else None
     return out
 
 

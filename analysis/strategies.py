@@ -6,8 +6,11 @@ doublings on some lines) or a shortcut (an answer boxed before the chain is done
 long task's lengths is never right); a response that is none of these is invalid (malformed, or no
 box), or truncated (cut off at the run's max_new_tokens). This script samples pi_SFT and the actor of each finished
 train.py run, from its last checkpoint, on the same held-out problems, and tabulates for each the
-pass@1, the share and accuracy of every strategy, and the per-line accuracy of the worked lines
-(`sft.evaluate_task`). So a fall in accuracy reads as either fewer worked chains or worse lines.
+pass@1, the share and accuracy of every strategy, the per-line accuracy of the worked lines, and
+the share of the worked doublings done two to a line (`sft.evaluate_task`). So a fall in accuracy
+reads as fewer worked chains or worse lines, and a merged share above pi_SFT's as reasoning
+compressed into fewer tokens: the shortening that the paper's collapse is made of, chosen hundreds
+of tokens before the reward.
 
     python analysis/strategies.py runs/sweep/actor-lr-2e-4/ablation__ppo__seed0 \\
         runs/sweep/actor-lr-2e-4/ablation__vc-ppo__seed0 --out results/sweep
@@ -64,7 +67,9 @@ def row(name: str, report: dict) -> str:
         v = report["by_strategy"].get(s)
         cells.append("-" if v is None else f"{v['share']:.2f} ({v['accuracy']:.2f})")
     lines = [f"{acc:.3f}" if acc is not None else "-" for acc, _ in report["line_accuracy"].values()]
-    return f"| {name} | {report['accuracy']:.3f} | {report['mean_length']:.0f} | {' | '.join(cells)} | {' | '.join(lines)} |"
+    merged = report["merged_doubling_share"]
+    return (f"| {name} | {report['accuracy']:.3f} | {report['mean_length']:.0f} | {' | '.join(cells)} | {' | '.join(lines)} | "
+            f"{'-' if merged is None else f'{merged:.3f}'} |")
 
 
 def main(args: Args) -> dict:
@@ -88,9 +93,11 @@ def main(args: Args) -> dict:
         print(f"{name}: pass@1 {reports[name]['accuracy']:.3f}", flush=True)
     lines = [f"# Strategies after PPO: {args.problems} held-out problems of k {shape.difficulty[0]}-"
              f"{shape.difficulty[1]}, one sample each (temperature {base.temperature}, {base.max_new_tokens} tokens)",
-             "", "Each strategy: share of responses (its accuracy). Line accuracy: worked lines that are right.", "",
-             "| policy | pass@1 | mean length | " + " | ".join(STRATEGIES) + " | line acc., single | line acc., merged |",
-             "|---|---|---|" + "---|" * len(STRATEGIES) + "---|---|"]
+             "", "Each strategy: share of responses (its accuracy). Line accuracy: worked lines that are right. "
+             "Doublings merged: the share of all worked doublings that were done two to a line.", "",
+             "| policy | pass@1 | mean length | " + " | ".join(STRATEGIES) +
+             " | line acc., single | line acc., merged | doublings merged |",
+             "|---|---|---|" + "---|" * len(STRATEGIES) + "---|---|---|"]
     lines += [row(name, r) for name, r in reports.items()]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "strategies.md").write_text("\n".join(lines) + "\n")

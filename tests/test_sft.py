@@ -75,12 +75,17 @@ def test_report_counts_strategies_and_line_accuracy():
     assert report["by_strategy"]["full"]["share"] == 0.5 and report["by_strategy"]["full"]["accuracy"] == 1.0
     assert report["by_strategy"]["shortcut"]["accuracy"] == 0.0
     assert report["line_accuracy"]["single"] == (4 / 6, 6)  # slipped: lines 1 and 2 disagree
+    assert report["merged_doubling_share"] == 0.0
     assert report["by_difficulty"]["1-4"]["shortcut_share"] == 0.25
     assert report["by_difficulty"]["1-4"]["worked_accuracy"] == 1.0
     assert "| 1-4 | 4 | 0.50 |" in sft.format_report(report)
     cut = "\n".join(full.split("\n")[:3])  # two right lines, cut off in the third
     report = sft.summarize([(p, task.parse_response(p["prompt"], cut), False, len(cut), True)])
     assert list(report["by_strategy"]) == ["truncated"] and report["line_accuracy"]["single"] == (1.0, 2)
+    merged = task.parse_response(p["prompt"], task.sft_response(p, random.Random(0), shortcut_prob=0.0, merge_prob=1.0))
+    steps = merged.line_steps  # as many two-doubling lines as fit, then single ones
+    report = sft.summarize([(p, merged, True, 10, False), (p, task.parse_response(p["prompt"], full), True, 10, False)])
+    assert report["merged_doubling_share"] == sum(n for n in steps if n > 1) / (sum(steps) + 3) and max(steps) == 2
 
 
 def test_evaluate_task_samples_and_parses_an_untrained_model():
