@@ -162,10 +162,8 @@ def held(m: dict) -> bool:
     return vc["length_ratio"] >= 0.9 and vc["final_acc"] >= m["sft_acc"]
 
 
-def over_seeds(cell: str, flags: str, done: dict) -> str:
+def over_seeds(cell: str, flags: str, ms: list[dict]) -> str:
     """The row of means (± sample std) over a cell's finished seeds."""
-    ms = list(done.values())
-
     def stat(values):
         mean, std = ablation.mean_std(values)
         return f"{mean:.3f} ± {std:.3f}"
@@ -186,7 +184,8 @@ def markdown(results: dict) -> str:
     lines = ["# Where does plain PPO collapse? The sweep on the long built-in task", "",
              f"Length ratio: lowest {WINDOW}-step moving average of the batch-mean response length over the first "
              f"step's. pass@1: held-out, after PPO. Training accuracy: mean over the first and last {WINDOW} steps. "
-             "Collapse: plain PPO's ratio <= 0.7 and its pass@1 below pi_SFT's.", "",
+             "Collapses: plain PPO's ratio <= 0.7 and its pass@1 below pi_SFT's. Holds: VC-PPO's ratio >= 0.9 and its "
+             "pass@1 at least pi_SFT's.", "",
              "| cell | flags | seed | steps | pi_SFT pass@1 | ppo: length ratio | ppo: pass@1 | ppo: training acc | "
              "vc-ppo: length ratio | vc-ppo: pass@1 | vc-ppo: training acc | plain PPO collapses | VC-PPO holds |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -202,7 +201,7 @@ def markdown(results: dict) -> str:
             lines.append(f"| {cell} | `{flags}` | {seed} | {ppo['steps']} | {m['sft_acc']:.3f} | {cols[0]} | {cols[1]} | "
                          f"{'yes' if collapsed(m) else 'no'} | {'yes' if held(m) else 'no'} |")
         if len(done := finished(r["seeds"])) > 1:
-            lines.append(over_seeds(cell, flags, done))
+            lines.append(over_seeds(cell, flags, list(done.values())))
     return "\n".join(lines) + "\n"
 
 
