@@ -2,11 +2,13 @@
 
     python bench/rollout_bench.py                 # tiny (2 layers, hidden 128) and mid (8 layers, hidden 512)
     python bench/rollout_bench.py --prompts 64 --new-tokens 128 --threads 2
+    python bench/rollout_bench.py --models tiny --backends hf --new-tokens 600 --profile   # where HF's time goes
 
 Every (backend, model) pair runs in its own child process (vLLM changes process-wide thread
 settings), on the same randomly initialised weights and prompts, sampling at temperature 1.
 Tokens/s counts generated tokens (EOS included) over the wall time of one `generate` call,
 median of --repeats calls after one warm-up call; engine start-up is reported separately.
+--profile adds, for Hugging Face, the torch operators that took the most of one more call's time.
 """
 
 from __future__ import annotations
@@ -57,9 +59,16 @@ def measure(args) -> dict:
             times.append(time.perf_counter() - start)
             tokens = int(batch.lengths.sum())
     seconds = statistics.median(times)
-    return {"backend": args.backend, "model": args.model, "startup_s": startup, "generate_s": seconds,
-            "tokens": tokens, "tokens_per_s": tokens / seconds,
-            "params_m": sum(p.numel() for p in model.parameters()) / 1e6}
+    out = {"backend": args.backend, "model": args.model, "startup_s": startup, "generate_s": seconds,
+           "tokens": tokens, "tokens_per_s": tokens / seconds,
+           "params_m": sum(p.numel() for p in model.parameters()) / 1e6}
+    if args.profile and args.backend == "hf":
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            engine.generate(prompts, args.new_tokens, temperature=1.0, seed=0)
+        ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+        total = sum(e.self_cpu_time_total for e in ops)
+        out["top_ops"] = [(e.key, e.self_cpu_time_total / total, e.count) for e in ops[:6]]
+    return out
 
 
 def main() -> None:
@@ -71,6 +80,8 @@ def main() -> None:
     # many small ops wait for a descheduled thread (measured: HF 2.5x slower, vLLM barely).
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--backends", nargs="+", default=["hf", "vllm"], choices=["hf", "vllm"])
+    p.add_argument("--profile", action="store_true", help="HF: the operators that take the most time")
     p.add_argument("--backend", choices=["hf", "vllm"], help=argparse.SUPPRESS)  # child mode
     p.add_argument("--model", choices=list(MODELS), help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -83,17 +94,19 @@ def main() -> None:
     print(f"{'model':<6}{'params':>8}{'backend':>9}{'start s':>9}{'gen s':>8}{'tokens':>8}{'tok/s':>9}{'vllm/hf':>9}")
     for model in args.models:
         results = {}
-        for backend in ("hf", "vllm"):
+        for backend in args.backends:
             child = [sys.executable, __file__, "--backend", backend, "--model", model,
                      "--prompts", str(args.prompts), "--new-tokens", str(args.new_tokens),
-                     "--repeats", str(args.repeats), "--threads", str(args.threads)]
+                     "--repeats", str(args.repeats), "--threads", str(args.threads), *(["--profile"] * args.profile)]
             out = subprocess.run(child, env=env, capture_output=True, text=True)
             if out.returncode:
                 raise SystemExit(f"{backend}/{model} failed:\n{out.stderr[-3000:]}")
             r = results[backend] = json.loads(out.stdout.strip().splitlines()[-1])
-            ratio = r["tokens_per_s"] / results["hf"]["tokens_per_s"]
+            ratio = f"{r['tokens_per_s'] / results['hf']['tokens_per_s']:.2f}" if "hf" in results else "-"
             print(f"{model:<6}{r['params_m']:>7.1f}M{backend:>9}{r['startup_s']:>9.1f}{r['generate_s']:>8.2f}"
-                  f"{r['tokens']:>8}{r['tokens_per_s']:>9.0f}{ratio:>9.2f}")
+                  f"{r['tokens']:>8}{r['tokens_per_s']:>9.0f}{ratio:>9}")
+            for name, share, count in r.get("top_ops", []):
+                print(f"      {share:6.1%} of the call's operator time: {name} ({count} calls)")
 
 
 if __name__ == "__main__":

@@ -1,13 +1,17 @@
-"""The GPU benchmarks' own code, run on the CPU: bench/mfu_bench.py's dry run and its FLOP count."""
+"""The benchmarks' own code, run on the CPU: bench/mfu_bench.py's dry run and its FLOP count, and
+bench/rollout_bench.py's profile."""
 
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
 import mfu_bench  # noqa: E402
 
 
@@ -27,3 +31,12 @@ def test_matmul_parameters_are_the_models_projections_and_its_tied_head_once():
     shape = mfu_bench.QWEN25_1_5B  # 1.54B parameters, 0.23B of them the embedding
     assert 1.30e9 < mfu_bench.matmul_parameters(shape) - shape["vocab_size"] * shape["hidden_size"] < 1.32e9
     assert mfu_bench.model_flops(shape, [8192]) == 6 * mfu_bench.matmul_parameters(shape) * 8192 + 6 * 28 * 1536 * 8192**2
+
+
+def test_rollout_bench_profiles_hugging_face_generate():
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "rollout_bench.py"), "--models", "tiny", "--backends", "hf",
+                           "--prompts", "2", "--new-tokens", "4", "--repeats", "1", "--profile"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+    shares = [float(line.split("%")[0]) for line in done.stdout.splitlines() if "of the call's operator time" in line]
+    assert len(shares) == 6 and 0 < sum(shares) <= 100.05 and shares == sorted(shares, reverse=True)
