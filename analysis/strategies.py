@@ -4,9 +4,9 @@ reasoning short, and its accuracy falls with it).
 On the built-in task a response is a full chain (one doubling a line), a merged one (several
 doublings on some lines) or a shortcut (an answer boxed before the chain is done, which at the
 long task's lengths is never right); a response that is none of these is invalid (malformed, or no
-box), or truncated (cut off at the run's max_new_tokens). This script samples pi_SFT and the actor of each finished
-train.py run, from its last checkpoint, on the same held-out problems, and tabulates for each the
-pass@1, the share and accuracy of every strategy, the per-line accuracy of the worked lines, and
+box), or truncated (cut off at the run's max_new_tokens). This script samples pi_SFT and the actor
+of each finished train.py run, from its last checkpoint, on the same held-out problems, and
+tabulates for each the pass@1, the share and accuracy of every strategy, the per-line accuracy of the worked lines, and
 the share of the worked doublings done two to a line (`sft.evaluate_task`). So a fall in accuracy
 reads as fewer worked chains or worse lines, and a merged share above pi_SFT's as reasoning
 compressed into fewer tokens: the shortening that the paper's collapse is made of, chosen hundreds
