@@ -6,11 +6,11 @@ doublings on some lines) or a shortcut (an answer boxed before the chain is done
 long task's lengths is never right); a response that is none of these is invalid (malformed, or no
 box), or truncated (cut off at the run's max_new_tokens). This script samples pi_SFT and the actor
 of each finished train.py run, from its last checkpoint, on the same held-out problems, and
-tabulates for each the pass@1, the share and accuracy of every strategy, the per-line accuracy of the worked lines, and
-the share of the worked doublings done two to a line (`sft.evaluate_task`). So a fall in accuracy
-reads as fewer worked chains or worse lines, and a merged share above pi_SFT's as reasoning
-compressed into fewer tokens: the shortening that the paper's collapse is made of, chosen hundreds
-of tokens before the reward.
+tabulates for each the pass@1, the share and accuracy of every strategy, the per-line accuracy of
+the worked lines, and the share of the worked doublings done two to a line (`sft.evaluate_task`).
+So a fall in accuracy reads as fewer worked chains or worse lines, and a merged share above
+pi_SFT's as reasoning compressed into fewer tokens: the shortening that the paper's collapse is
+made of, chosen hundreds of tokens before the reward.
 
     python analysis/strategies.py runs/sweep/actor-lr-2e-4/ablation__ppo__seed0 \\
         runs/sweep/actor-lr-2e-4/ablation__vc-ppo__seed0 --out results/sweep
