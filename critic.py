@@ -108,7 +108,8 @@ def train_orm(model, batches: list[RolloutBatch], outcomes: list[torch.Tensor], 
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     model.train()
     history = []
-    for step in range(steps):
+    bar = tqdm(range(steps), desc="ORM training", dynamic_ncols=True, leave=False, disable=not is_main())
+    for step in bar:
         batch, outcome = batches[step % len(batches)], outcomes[step % len(batches)].float()
         rows = all_reduce(torch.tensor(float(len(batch)))).item()  # the global batch
         scores = _last_token_outputs(model, batch)
@@ -123,6 +124,7 @@ def train_orm(model, batches: list[RolloutBatch], outcomes: list[torch.Tensor], 
         totals = reduce_metrics({"loss": squared_errors.item(), "correct": correct.item()}, sums=("loss", "correct"))
         history.append({"step": step, "orm/loss": totals["loss"] / rows,
                         "orm/sign_accuracy": totals["correct"] / rows, "orm/grad_norm": grad_norm})
+        bar.set_postfix(loss=f"{history[-1]['orm/loss']:.3f}")
     model.eval()
     return history
 
