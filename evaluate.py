@@ -53,7 +53,7 @@ def evaluate(sampler: Sampler, records: list[dict], tag: str) -> dict:
         for j, (i, count) in enumerate(part):
             if count:  # only the shown samples' texts travel between ranks
                 samples.append((i, scored.outcomes[j].item() > 0, batch.lengths[j].item(),
-                                batch.finish_reasons[j] == "length", scored.texts[j] if i < SHOWN_SAMPLES else ""))
+                                batch.truncated[j], scored.texts[j] if i < SHOWN_SAMPLES else ""))
     if distributed():
         gathered = [None] * world_size()
         dist.all_gather_object(gathered, samples)

@@ -51,6 +51,11 @@ class RolloutBatch:
     def lengths(self) -> torch.Tensor:
         return self.response_mask.sum(-1).long()
 
+    @property
+    def truncated(self) -> list[bool]:
+        """Per response: cut off at max_new_tokens (no EOS)."""
+        return [f == "length" for f in self.finish_reasons]
+
     def __len__(self) -> int:
         return self.response_ids.shape[0]
 

@@ -54,7 +54,7 @@ class Sampler:
         device = batch.device  # the engine's batch is on its models' device: so is all built from it
         outcomes = torch.tensor(graded.outcomes, dtype=torch.float32, device=device)
         if cfg.truncation_reward is not None:
-            truncated = torch.tensor([f == "length" for f in batch.finish_reasons], device=device)
+            truncated = torch.tensor(batch.truncated, device=device)
             outcomes = torch.where(truncated, float(cfg.truncation_reward), outcomes)
         token_rewards = torch.zeros_like(batch.response_mask)
         token_rewards[torch.arange(len(batch), device=device), batch.lengths - 1] = outcomes

@@ -288,8 +288,8 @@ def evaluate_task(model, tokenizer, problems: list[dict], max_new_tokens: int = 
             batch = engine.generate(ids, max_new_tokens, temperature=temperature, seed=seed + i)
             texts = decode_responses(tokenizer, batch)
             outcomes = grader.grade(texts, [p["answer"] for p in chunk]).outcomes
-            for p, text, outcome, n, finish in zip(chunk, texts, outcomes, batch.lengths.tolist(), batch.finish_reasons):
-                rows.append((p, task.parse_response(p["prompt"], text), outcome > 0, n, finish == "length"))
+            for p, text, outcome, n, cut in zip(chunk, texts, outcomes, batch.lengths.tolist(), batch.truncated):
+                rows.append((p, task.parse_response(p["prompt"], text), outcome > 0, n, cut))
     return summarize(rows)
 
 

@@ -181,7 +181,7 @@ def rollout_metrics(scored: ScoredBatch, per_token: dict, advantages, timings: d
     metrics = {
         "response_length/mean": lengths.mean().item(),
         "response_length/max": lengths.max().item(),
-        "response_length/truncated_frac": sum(f == "length" for f in batch.finish_reasons) / len(batch),
+        "response_length/truncated_frac": sum(batch.truncated) / len(batch),
         "reward/mean": scored.outcomes.mean().item(),
         "reward/accuracy": (scored.outcomes > 0).float().mean().item(),
         "reward/grader_timeouts": scored.grader_timeouts,

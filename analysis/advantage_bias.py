@@ -290,7 +290,7 @@ def measure(args: Args, rollouts, paths: dict, gamma: float, starts: list[list[i
         common = position_sums(rollouts, None, (), gamma, width, args.bin_size)
     lengths = torch.cat([s.batch.lengths for s in rollouts]).float()
     outcomes = torch.cat([s.outcomes for s in rollouts])
-    finish = [f for s in rollouts for f in s.batch.finish_reasons]
+    truncated = [t for s in rollouts for t in s.batch.truncated]
     return BiasResult(
         lambdas=args.lambdas, bin_size=args.bin_size, bin_start=np.arange(0, width, args.bin_size),
         tokens=bin_sums(common["count"], args.bin_size),
@@ -299,7 +299,7 @@ def measure(args: Args, rollouts, paths: dict, gamma: float, starts: list[list[i
         first_quarter=first_quarter, box=box, orm_quality=quality,
         rollout={"responses": len(lengths), "mean_length": lengths.mean().item(), "max_length": width,
                  "accuracy": (outcomes > 0).float().mean().item(),
-                 "truncated": sum(f == "length" for f in finish) / len(finish)},
+                 "truncated": sum(truncated) / len(truncated)},
     )
 
 
