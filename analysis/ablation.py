@@ -214,9 +214,19 @@ def aggregate(results: dict[str, list[dict]]) -> dict:
     return {"table": table, "curves": curves}
 
 
-def plot(curves: dict, path: Path) -> None:
-    rows = [[v for v in group if v in curves] for group in (MAIN, SWEEP)]
-    rows = [r for r in rows if r]
+def figure_rows(variants) -> list[list[str]]:
+    """The figure's rows: the main ablation, then the lambda sweep if it has a variant the first row lacks
+    (vc-ppo belongs to both)."""
+    main, sweep = [v for v in MAIN if v in variants], [v for v in SWEEP if v in variants]
+    return [row for row in (main, sweep if set(sweep) - set(main) else []) if row]
+
+
+def task_name(config: Config) -> str:
+    return f"the built-in task ({config.task_length}, max_new_tokens {config.max_new_tokens})"
+
+
+def plot(curves: dict, path: Path, task: str) -> None:
+    rows = figure_rows(curves)
     fig, axes = plt.subplots(len(rows), 2, figsize=(11, 3.8 * len(rows)), squeeze=False)
     for ax_row, variants in zip(axes, rows):
         for ax, (key, label) in zip(ax_row, CURVES):
@@ -231,13 +241,13 @@ def plot(curves: dict, path: Path) -> None:
             ax.set_ylabel(label)
             ax.grid(alpha=0.3)
         ax_row[0].legend(fontsize=8)
-    fig.suptitle("Fig. 1 on the built-in task: mean over seeds, band = +-1 std")
+    fig.suptitle(f"Fig. 1 on {task}: mean over seeds, band = +-1 std")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def markdown(agg: dict, wall: float, ran: int, runs: list[Run], loaded: dict) -> str:
+def markdown(agg: dict, wall: float, ran: int, runs: list[Run], loaded: dict, task: str) -> str:
     def pm(mean_and_std, digits=3):
         mean, std = mean_and_std
         if not np.isfinite(mean):
@@ -245,7 +255,7 @@ def markdown(agg: dict, wall: float, ran: int, runs: list[Run], loaded: dict) ->
         return f"{mean:.{digits}f} ± {std:.{digits}f}" if np.isfinite(std) else f"{mean:.{digits}f}"
 
     k = agg["table"]["pi_SFT"]["pass@k"][0]
-    lines = ["# Ablation on the built-in task (paper Table 2, Fig. 1)", "",
+    lines = [f"# Ablation on {task} (paper Table 2, Fig. 1)", "",
              f"Held-out evaluation after PPO, mean ± std over seeds (sample std). pass@1 and {k} from "
              f"the same samples; 'min train length' is the lowest batch-mean response length over the PPO "
              f"steps (a length collapse shows here); 'critic EV' is the critic's explained variance of the "
@@ -287,8 +297,9 @@ def main(args: Args, train_flags: list[str]) -> dict:
     agg = aggregate(loaded)
     args.out.mkdir(parents=True, exist_ok=True)
     png, md, js = args.out / "ablation.png", args.out / "ablation.md", args.out / "ablation.json"
-    plot(agg["curves"], png)
-    md.write_text(markdown(agg, wall, ran, runs, loaded))
+    task = task_name(runs[0].config)  # plan_runs gives every run the same settings but the variant's
+    plot(agg["curves"], png, task)
+    md.write_text(markdown(agg, wall, ran, runs, loaded, task))
     js.write_text(json.dumps({"table": agg["table"], "curves": {v: {k: c.tolist() for k, c in cs.items()}
                                                                 for v, cs in agg["curves"].items()}}, indent=1))
     print(md.read_text())

@@ -86,3 +86,17 @@ def test_micro_grid_runs_train_py_and_reuses_finished_runs(tmp_path):
     again = ablation.main(args, flags)  # everything finished: read, not rerun
     assert (tmp_path / "ablation__ppo__seed0" / "summary.json").stat().st_mtime == stamp
     assert again["table"]["ppo"]["mean_length"][0] == agg["table"]["ppo"]["mean_length"][0]
+
+
+def test_the_figure_draws_vc_ppo_once_unless_the_lambda_sweep_is_there():
+    assert ablation.figure_rows({"ppo", "vc-ppo"}) == [["ppo", "vc-ppo"]]
+    assert ablation.figure_rows({"vc-ppo", "lam-actor-0.9"}) == [["vc-ppo"], ["lam-actor-0.9", "vc-ppo"]]
+    assert ablation.figure_rows({"lam-actor-1.0"}) == [["lam-actor-1.0"]]
+
+
+def test_the_report_names_the_task_it_ran_on(tmp_path):
+    fake_run(tmp_path, "ppo", 0, 0.2, [100, 50, 60])
+    args = ablation.Args(out=tmp_path / "out", out_dir=str(tmp_path), variants=("ppo",), seeds=(0,), read_only=True)
+    ablation.main(args, [])
+    assert (tmp_path / "out" / "ablation.md").read_text().startswith(
+        "# Ablation on the built-in task (short, max_new_tokens 400)")
