@@ -76,6 +76,10 @@ def main(args: Args) -> dict:
     if not args.runs:
         raise ValueError("give at least one run directory")
     configs = [run_config(run) for run in args.runs]
+    # A run still training (or stopped) has checkpoints too; its actor is not the one the run ends with.
+    unfinished = [str(run) for run in args.runs if not (run / "summary.json").is_file()]
+    if unfinished:
+        raise ValueError(f"not finished (no summary.json): {', '.join(unfinished)}; the actor of a finished run is read")
     base = configs[0]
     if any(c.model or c.data or sft_settings(sft_config(c)) != sft_settings(sft_config(base)) for c in configs):
         raise ValueError("the runs must share the built-in task's pi_SFT (same --task-length and --sft-steps)")

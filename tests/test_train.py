@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -116,6 +117,10 @@ def test_the_actor_alone_is_read_from_a_checkpoint_as_the_whole_restore_reads_it
     reports = strategies.main(strategies.Args(runs=(run_dir,), problems=3, out=tmp_path))
     assert list(reports) == ["pi_SFT", str(run_dir)] and all(r["n"] == 3 for r in reports.values())
     assert len([line for line in (tmp_path / "strategies.md").read_text().splitlines() if line.startswith("| ")]) == 3  # header + 2 policies
+    stopped = tmp_path / "stopped"  # the same run before its end: checkpoints, no summary.json
+    shutil.copytree(run_dir, stopped, ignore=shutil.ignore_patterns("summary.json"))
+    with pytest.raises(ValueError, match="not finished .*stopped"):
+        strategies.main(strategies.Args(runs=(stopped,), problems=3, out=tmp_path / "refused"))
 
 
 class EasyProblemGrader:
