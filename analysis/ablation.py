@@ -233,10 +233,10 @@ def plot(curves: dict, path: Path, task: str) -> None:
             for variant in variants:
                 y = curves[variant][key]
                 x, mean = np.arange(y.shape[1]), y.mean(0)
-                ax.plot(x, mean, label=f"{variant} (n={len(y)})")
-                if len(y) > 1:
+                (line,) = ax.plot(x, mean, label=f"{variant} (n={len(y)})")
+                if len(y) > 1:  # in the line's colour: bands draw from a colour cycle of their own
                     std = y.std(0, ddof=1)
-                    ax.fill_between(x, mean - std, mean + std, alpha=0.15)
+                    ax.fill_between(x, mean - std, mean + std, alpha=0.15, color=line.get_color())
             ax.set_xlabel("PPO step")
             ax.set_ylabel(label)
             ax.grid(alpha=0.3)

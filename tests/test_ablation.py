@@ -5,6 +5,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import config
@@ -100,3 +101,18 @@ def test_the_report_names_the_task_it_ran_on(tmp_path):
     ablation.main(args, [])
     assert (tmp_path / "out" / "ablation.md").read_text().startswith(
         "# Ablation on the built-in task (short, max_new_tokens 400)")
+
+
+def test_each_band_has_its_lines_colour(tmp_path, monkeypatch):
+    """A variant with one seed draws a line and no band; the next variant's band keeps its own line's colour."""
+    import matplotlib.colors
+
+    figures = []
+    monkeypatch.setattr(ablation.plt, "close", figures.append)
+    seeds = lambda n: {key: np.arange(3 * n, dtype=float).reshape(n, 3) for key, _ in ablation.CURVES}
+    ablation.plot({"ppo": seeds(2), "vc-ppo-no-vp": seeds(1), "vc-ppo": seeds(2)}, tmp_path / "f.png", "a task")
+    for ax in figures[0].axes:
+        lines, bands = ax.get_lines(), ax.collections
+        assert len(lines) == 3 and len(bands) == 2
+        for line, band in zip((lines[0], lines[2]), bands):
+            assert matplotlib.colors.to_hex(band.get_facecolor()[0]) == matplotlib.colors.to_hex(line.get_color())
