@@ -77,6 +77,11 @@ def prepare(cfg: Config) -> str:
     return run_dir
 
 
+def finished(run_dir) -> bool:
+    """True once train.py has written summary.json, its last act: the checkpoint there is the final policy."""
+    return os.path.isfile(os.path.join(run_dir, "summary.json"))
+
+
 def json_safe(obj):
     """`obj` with every NaN or inf float replaced by None: strict JSON readers reject bare NaN.
     (Explained variance is undefined, NaN, on a batch whose returns are all equal.)"""

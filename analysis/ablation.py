@@ -100,7 +100,7 @@ class Run:
 
     @property
     def done(self) -> bool:
-        return (self.dir / "summary.json").is_file()
+        return rundir.finished(self.dir)
 
 
 def plan_runs(args: Args, train_flags: list[str]) -> list[Run]:

@@ -24,6 +24,7 @@ import torch
 import tyro
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import rundir
 import task
 from checkpoints import latest_checkpoint, load_model_weights
 from config import Config
@@ -77,7 +78,7 @@ def main(args: Args) -> dict:
         raise ValueError("give at least one run directory")
     configs = [run_config(run) for run in args.runs]
     # A run still training (or stopped) has checkpoints too; its actor is not the one the run ends with.
-    unfinished = [str(run) for run in args.runs if not (run / "summary.json").is_file()]
+    unfinished = [str(run) for run in args.runs if not rundir.finished(run)]
     if unfinished:
         raise ValueError(f"not finished (no summary.json): {', '.join(unfinished)}; the actor of a finished run is read")
     base = configs[0]
