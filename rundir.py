@@ -7,22 +7,25 @@ The run directory, <out_dir>/<run_name>/:
     eval_sft.json   pi_SFT's held-out scores, computed once (`evaluate.evaluate_once`).
     metrics.jsonl   one row per PPO step, plus TensorBoard events (`MetricsLog`).
     checkpoint/     actor, critic, optimizers, schedulers and step (`save` / `resume`).
-    value_pretrain/ the value-pretrained critic and its curve (a cached stage, below).
+    value_pretrain  a link to the value-pretrained critic and its curve, a stage shared by the runs
+                    that pretrain the same critic (`build_shared`, below).
     summary.json    pi_SFT's and the final policy's scores (train.py).
 
 Cached stages (`build_once`): pi_SFT (<out_dir>/_shared/sft), the outcome reward model
-(<out_dir>/_shared/orm) and value pretraining (<run_dir>/value_pretrain) are each built once into
-<path>.partial, with the settings they depend on in settings.json, then renamed to <path>: a kill
-never leaves a directory that looks complete, and a later run with other settings stops instead
-of reusing it.
+(<out_dir>/_shared/orm) and value pretraining (<out_dir>/_shared/value_pretrain/<key>) are each
+built once into a staging directory, with the settings they depend on in settings.json, then
+renamed to their final path: a kill never leaves a directory that looks complete, and a later run
+with other settings stops instead of reusing it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
+import shutil
 
 from tqdm import tqdm
 
@@ -101,24 +104,52 @@ def write_json(path: str, obj) -> None:
     os.replace(path + ".tmp", path)
 
 
-def build_once(path: str, settings: dict, build, remedy: str = "delete it to build it again") -> bool:
+def build_once(path: str, settings: dict, build, remedy: str = "delete it to build it again",
+               staging: str | None = None) -> bool:
     """A cached stage at `path`: reused when it exists (after checking its settings.json against
-    `settings`), else `build(staging)` writes it into <path>.partial, which then gets settings.json
-    and its final name. True if built now. `build` runs on every rank (a collective export needs
-    them all; a stage that one rank builds checks the rank itself); rank 0 renames."""
+    `settings`), else `build(staging)` writes it into `staging` (default <path>.partial), which then
+    gets settings.json and its final name. True if built now. `build` runs on every rank (a
+    collective export needs them all; a stage that one rank builds checks the rank itself); rank 0
+    renames. A build that finds `path` taken when it ends (another run built it meanwhile) is dropped."""
     if os.path.exists(path):
         check_stage(path, settings, remedy)
         return False
     # A killed build's leftovers stay: value pretraining resumes from its checkpoint there, and
     # every file a build writes is written whole.
-    staging = path + ".partial"
+    staging = staging or path + ".partial"
     os.makedirs(staging, exist_ok=True)
     build(staging)
     if fsdp_utils.is_main():
         write_json(os.path.join(staging, STAGE_SETTINGS), settings)  # in before the final name
-        os.replace(staging, path)
+        try:
+            os.rename(staging, path)  # atomic; fails if another build named it first
+        except OSError:
+            if not os.path.isdir(path):
+                raise
+            shutil.rmtree(staging)
     fsdp_utils.barrier()
     return True
+
+
+def build_shared(cfg, link: str, settings: dict, build) -> bool:
+    """A stage that every run with the same `settings` shares, e.g. value pretraining, which the
+    runs of one seed in a lambda sweep repeat bit for bit. It is built once (`build_once`) into
+    <out_dir>/_shared/<name of link>/<hash of settings>, and `link`, in the run directory, points
+    there (a relative link: the out-dir can move). Each run stages its own build, so two runs
+    building it at once never mix their files, and a killed one resumes its own. True if built now."""
+    if os.path.islink(link) and not os.path.exists(link):
+        raise ConfigError(f"{link} points to {os.readlink(link)}, which is gone; delete the link to build it again")
+    if os.path.lexists(link):  # linked by an earlier start of this run
+        check_stage(link, settings)
+        return False
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    shared = os.path.join(cfg.out_dir, "_shared", os.path.basename(link), key)
+    os.makedirs(os.path.dirname(shared), exist_ok=True)
+    built = build_once(shared, settings, build, staging=f"{shared}.partial-{cfg.run_name}")
+    if fsdp_utils.is_main():
+        os.symlink(os.path.relpath(shared, os.path.dirname(link)), link)
+    fsdp_utils.barrier()
+    return built
 
 
 def check_stage(path: str, settings: dict, remedy: str = "delete it to build it again") -> None:

@@ -13,6 +13,7 @@ mean explained variance rises by less than `plateau_ev_tol` (absolute).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -22,16 +23,28 @@ from tqdm import tqdm
 
 from critic import critic_loss, response_values
 from data import sample_prompts, stream_seed
-from fsdp_utils import is_main, reduce_metrics
+from fsdp_utils import is_main, reduce_metrics, world_size
 from checkpoints import export_hf_checkpoint, latest_checkpoint, load_checkpoint, remove_checkpoint, save_checkpoint
 from gae import compute_gae
 from ppo import assert_finite, check_masked_inputs, explained_variance, micro_batched_forward, update_model
-from rundir import build_once, json_safe
+from rundir import build_shared, json_safe
 from sampling import Sampler
 
-# What the pretrained critic depends on beyond the run directory's own config.json.
-VALUE_PRETRAIN_SETTINGS = ("critic_init", "value_pretrain_steps", "critic_lr", "plateau_window",
-                           "plateau_rel_tol", "plateau_ev_tol")
+# Settings that act only after value pretraining (PPO's own, and the run's name and length).
+# Runs that differ only in these pretrain the same critic bit for bit (the lambda sweep's runs of one
+# seed, or vc-ppo-no-dgae's), so they share it; every other setting keys it.
+PPO_ONLY = ("run_name", "out_dir", "resume", "plan", "steps", "lam_actor", "lam_critic", "length_adaptive_alpha",
+            "actor_lr", "lr_warmup_steps", "clip_low", "clip_high", "dual_clip", "whiten_advantages", "kl_coef",
+            "kl_estimator", "entropy_coef")
+
+
+def pretrain_settings(cfg) -> dict:
+    """What the pretrained critic depends on: every setting but PPO_ONLY, and the world size (each rank
+    samples its own share)."""
+    settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in PPO_ONLY} | {"world_size": world_size()}
+    if cfg.critic_init == "rm" and cfg.model is not None:  # then each run trains its own ORM (critic.orm_path)
+        settings["run_name"] = cfg.run_name
+    return settings
 
 
 def plateaued(history: list[dict], window: int, rel_tol: float, ev_tol: float) -> bool:
@@ -105,8 +118,9 @@ def pretrain_value(cfg, critic, critic_optimizer, sampler: Sampler, records: lis
 def prepare_value_critic(cfg, run_dir: str, init_path: str, sampler: Sampler, records: list[dict], load):
     """The critic PPO starts from, and the last row of its pretraining curve (None without
     pretraining). `init_path`: pi_SFT (a fresh head) or the ORM; `load(path)` loads a critic onto
-    this rank's device (sharded under torchrun: `train.load_critic`). Pretraining is a cached stage of the run directory
-    (<run_dir>/value_pretrain, `rundir.build_once`), resumable from its checkpoint."""
+    this rank's device (sharded under torchrun: `train.load_critic`). Pretraining is a stage shared by
+    the runs with the same `pretrain_settings` (<run_dir>/value_pretrain links to it,
+    `rundir.build_shared`), resumable from its checkpoint."""
     if cfg.value_pretrain_steps == 0:
         return load(init_path), None
     path, critic = os.path.join(run_dir, "value_pretrain"), None
@@ -117,8 +131,8 @@ def prepare_value_critic(cfg, run_dir: str, init_path: str, sampler: Sampler, re
         optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr, weight_decay=0.0)
         pretrain_value(cfg, critic, optimizer, sampler, records, staging)
 
-    if not build_once(path, {k: getattr(cfg, k) for k in VALUE_PRETRAIN_SETTINGS}, build):
-        critic = load(os.path.join(path, "critic"))  # pretrained by an earlier run here
+    if not build_shared(cfg, path, pretrain_settings(cfg), build):
+        critic = load(os.path.join(path, "critic"))  # pretrained by an earlier run
     curve = os.path.join(path, "curve.jsonl")
     if not os.path.exists(curve):
         return critic, None

@@ -14,10 +14,11 @@ pass@1, pass@k and response length after PPO (mean +- std over seeds) beside the
 | lam-actor-0.9, -0.99, -1.0 | VC-PPO with that lambda_actor (0.95 is vc-ppo itself) |
 | length-adaptive | VC-PPO with VAPO's lambda_actor = 1 - 1/(0.05 l) per response |
 
-Runs go to <out-dir>/ablation__<variant>__seed<seed>/ (pi_SFT and the ORM are shared through
-<out-dir>/_shared, like every train.py run), each with its log in train.log; a run with a
-summary.json is read, not rerun, and one that stopped is resumed from its checkpoint. Flags after
-`--` go to every train.py run.
+Runs go to <out-dir>/ablation__<variant>__seed<seed>/, each with its log in train.log. pi_SFT,
+the ORM and the value-pretrained critic are shared through <out-dir>/_shared, like every train.py
+run's: the variants of one seed that pretrain the critic (all but ppo, vc-ppo-no-vp and grpo)
+pretrain it once. A run with a summary.json is read, not rerun, and one that stopped is resumed
+from its checkpoint. Flags after `--` go to every train.py run.
 
     python analysis/ablation.py                  # the full grid: 9 variants x 3 seeds (see RESULTS.md for its time)
     python analysis/ablation.py --quick          # plain PPO vs VC-PPO x 2 seeds, 10 steps: <= 10 min on 2 cores

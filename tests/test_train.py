@@ -74,8 +74,7 @@ def test_micro_pipeline_runs_every_stage_and_logs_every_step(out_dir, micro_run)
     assert (out_dir / "_shared" / "orm" / "settings.json").exists()  # in before the final rename
     assert not (out_dir / "_shared" / "orm.partial").exists()
     assert (run_dir / "value_pretrain" / "curve.jsonl").exists()
-    assert (run_dir / "value_pretrain" / "settings.json").exists()
-    assert not (run_dir / "value_pretrain.partial").exists()
+    assert (run_dir / "value_pretrain" / "settings.json").exists()  # through the link to _shared/value_pretrain
     assert (run_dir / "checkpoint").is_dir() and (run_dir / "summary.json").exists()
     assert 0.0 <= summary["ppo"]["pass@1"] <= summary["ppo"]["pass@2"] <= 1.0
 
@@ -294,6 +293,49 @@ def test_pi_sft_is_evaluated_once_per_run_directory(out_dir, sft):
     assert json.loads((out_dir / "eval-once" / "eval_sft.json").read_text()) == first
     (out_dir / "eval-once" / "eval_sft.json").write_text(json.dumps({**first, "pass@1": -1.0}))
     assert train.main(cfg)["sft"]["pass@1"] == -1.0  # read back, not sampled again
+
+
+def test_runs_that_differ_only_after_value_pretraining_share_the_pretrained_critic(out_dir, sft, monkeypatch):
+    """VC-PPO and its lambda variants of one seed pretrain the same critic bit for bit: the second
+    run links to the first one's instead of pretraining again; another seed pretrains its own."""
+    import value_pretrain
+
+    flags = ["--steps", "0", "--value-pretrain-steps", "2"]
+    first = train.main(micro_config(out_dir, "--run-name", "shared-a", *flags))
+    link = out_dir / "shared-a" / "value_pretrain"
+    assert link.is_symlink() and link.resolve().parent == out_dir / "_shared" / "value_pretrain"
+    assert not list((out_dir / "_shared" / "value_pretrain").glob("*.partial-shared-a"))  # its staging, renamed
+
+    def pretrain_again(*args, **kwargs):
+        raise AssertionError("value pretraining ran again")
+
+    monkeypatch.setattr(value_pretrain, "pretrain_value", pretrain_again)
+    second = train.main(micro_config(out_dir, "--run-name", "shared-b", "--lam-actor", "0.99", "--lam-critic", "0.95",
+                                     *flags))
+    assert (out_dir / "shared-b" / "value_pretrain").resolve() == link.resolve()
+    assert second["value_pretrain"] == first["value_pretrain"]
+    with pytest.raises(AssertionError, match="ran again"):
+        train.main(micro_config(out_dir, "--run-name", "shared-c", "--seed", "1", *flags))
+
+
+def test_a_stage_two_runs_build_at_once_keeps_the_first_and_a_broken_link_is_named(tmp_path):
+    path, settings = tmp_path / "stage", {"x": 1}
+
+    def build_while_another_run_finishes(staging):
+        (Path(staging) / "mine").write_text("")
+        path.mkdir()  # the other run names the stage first
+        (path / "theirs").write_text("")
+        (path / "settings.json").write_text(json.dumps(settings))
+
+    assert rundir.build_once(str(path), settings, build_while_another_run_finishes, staging=f"{path}.partial-b")
+    assert sorted(p.name for p in path.iterdir()) == ["settings.json", "theirs"]
+    assert not (tmp_path / "stage.partial-b").exists()
+
+    cfg = micro_config(tmp_path, "--run-name", "r")
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "value_pretrain").symlink_to(tmp_path / "gone")
+    with pytest.raises(config.ConfigError, match=r"value_pretrain points to .*gone, which is gone; delete the link"):
+        rundir.build_shared(cfg, str(tmp_path / "r" / "value_pretrain"), settings, lambda staging: None)
 
 
 def test_grpo_needs_two_samples_per_prompt():
