@@ -10,6 +10,7 @@ one setting at a time and runs plain PPO against VC-PPO in each cell, with the s
 | actor-lr-1e-4, actor-lr-2e-4 | `--steps 20 --actor-lr ...` (the default is 5e-5) |
 | lam-actor-0.99 | `--steps 20 --lam-actor 0.99` (plain PPO's critic keeps lambda 0.95) |
 | max-new-tokens-560 | `--steps 20 --max-new-tokens 560`: a limit that truncates more of pi_SFT's responses |
+| steps-100 | `--steps 100`: the default cell, twice as long |
 
 The limit of 560 tokens cuts 28% of the SFT mix's responses (37% of its worked chains), where the
 preset's 600 cuts 10% (14%); 480 would cut 68% (88%), leaving little for PPO to learn from
@@ -53,6 +54,7 @@ CELLS = {  # name -> train.py flags after --preset tiny-long
     "actor-lr-2e-4": ["--steps", "20", "--actor-lr", "2e-4"],
     "lam-actor-0.99": ["--steps", "20", "--lam-actor", "0.99"],
     "max-new-tokens-560": ["--steps", "20", "--max-new-tokens", "560"],
+    "steps-100": ["--steps", "100"],
 }
 WINDOW = collapse.WINDOW
 
