@@ -27,6 +27,12 @@ import torch.nn.functional as F
 
 from ppo import check_masked_inputs
 
+# numba's default OpenMP layer shares torch's libgomp, and its first parallel call sets the process's
+# OpenMP thread count to every core (omp_set_num_threads): every later torch op then ran on that many
+# threads whatever --threads said, and two runs on two cores spun four threads against each other.
+# Its own work queue leaves torch's setting alone; compiled_gae uses torch's count.
+numba.config.THREADING_LAYER = "workqueue"
+
 # Tokens per chunk of the scan: the work is B*T*CHUNK multiply-adds (dense triangular matrices)
 # over log_CHUNK(T) levels of recursion. 16 was the fastest on the 2-core development CPU at
 # T = 8k-32k (bench/gae_bench.py --chunk); untuned on GPUs, which may prefer a larger one.
@@ -53,6 +59,7 @@ def compiled_gae(rewards, values, mask, gamma, lam_actor, lam_critic):
     advantages, returns = (torch.empty(values.shape, dtype=values.dtype) for _ in range(2))  # contiguous
     lams = [np.full(mask.shape[0], lam) if isinstance(lam, float) else lam.cpu().numpy() for lam in (lam_actor, lam_critic)]
     inputs = [x.detach().numpy() for x in (rewards, values, mask)]
+    numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
     if not _lambda_returns_loop(*inputs, float(gamma), *lams, advantages.numpy(), returns.numpy()):
         _reject(rewards, values, mask)
     return advantages, returns
@@ -67,7 +74,7 @@ def _reject(rewards, values, mask):
 def _compile(fn, parallel=False):
     """numba.njit with fused multiply-adds, cached on disk where numba finds a writable place (next
     to this file, else ~/.cache); with none (a read-only install and home), compiled per process.
-    parallel: prange loops run on numba's threads (as many as cores, NUMBA_NUM_THREADS)."""
+    parallel: prange loops run on numba's threads (as many as torch uses: compiled_gae)."""
     options = {"nogil": True, "fastmath": {"contract"}, "parallel": parallel}
     try:
         return numba.njit(cache=True, **options)(fn)

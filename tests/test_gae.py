@@ -310,3 +310,21 @@ def test_without_a_writable_cache_the_loop_is_compiled_per_process(monkeypatch):
     assert loop(rewards.numpy(), values.numpy(), mask.numpy(), 1.0, *lams, advantages.numpy(), returns.numpy())
     assert (advantages - gae_reference(rewards, values, mask, 1.0, 0.9)[0]).abs().max() <= 1e-5
     assert (returns - gae_reference(rewards, values, mask, 1.0, 1.0)[1]).abs().max() <= 1e-5
+
+
+def test_the_compiled_loop_leaves_torchs_thread_count_alone():
+    """numba's OpenMP layer shares torch's libgomp: its first parallel call used to set every core as
+    the process's OpenMP thread count, so torch ignored --threads from the first GAE on. In a fresh
+    process, since that first call happens once per process."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import torch; torch.set_num_threads(1); import gae; "
+            "x = torch.randn(512, 4096); (x + x).sum(); "  # torch's OpenMP team exists, as in a PPO step
+            "gae.decoupled_gae(torch.zeros(4, 9), torch.zeros(4, 9), torch.ones(4, 9), 1.0, 0.95, 1.0); "
+            "print(torch.get_num_threads())")
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == "1"
