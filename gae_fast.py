@@ -7,7 +7,7 @@ Both compute R_t of Eq. (7) as the recursive lambda-return (Eq. 6 summed by part
 which is the same number without the deltas' telescoping cancellation (at lam = 1 it is the
 plain reward sum, so error does not grow with T).
 - CPU: that recursion as a loop compiled by numba, one pass that reads each input once, checks
-  it as it goes, and carries both lambdas in float64, its rows spread over the cores (the memory
+  it as it goes, and carries both lambdas in float64, its rows spread over torch's threads (the memory
   bound is the goal here);
 - GPU: the same recursion as one Triton kernel (`gae_triton.py`), which checks its inputs as it
   reads them: one launch;
@@ -112,7 +112,7 @@ def _lambda_returns_row(r_row, v_row, m_row, gamma, lam_actor, lam_critic, adv_r
 
 @functools.partial(_compile, parallel=True)
 def _lambda_returns_loop(rewards, values, mask, gamma, lam_actor, lam_critic, advantages, returns):
-    """_lambda_returns_row for every row, the rows spread over the CPU's cores (each row is one
+    """_lambda_returns_row for every row, the rows spread over numba's threads (each row is one
     sequential recursion, computed as in a plain loop: threads change no bit of the result).
     Returns False if any row was rejected."""
     ok = np.empty(rewards.shape[0], dtype=np.bool_)
