@@ -10,8 +10,9 @@ CPU timings of fresh [B, T] buffers depend on the allocator: by default glibc ha
 back to the OS, so every new 2 MB buffer page-faults, which costs more than the arithmetic and
 swamps both the scan and the copy bound. The benchmark therefore runs twice: with the default
 allocator, then with glibc told to keep freed memory (mallopt; what jemalloc/tcmalloc or CUDA's
-caching allocator do anyway). `--threads` sets both torch's threads (the copy) and numba's (the
-loop's rows run in parallel). The last line reports the second, B=64 T=8192 run:
+caching allocator do anyway). `--threads` sets torch's threads (the copy), which the loop's
+rows also run on (gae_fast.compiled_gae gives numba torch's count). The last line reports the
+second, B=64 T=8192 run:
     gae speedup_vs_loop=<x> over_copy_bound=<y>          (goal: >= 100 and <= 3)
 
 With `--device cuda` it times the GPU instead, at B=64 and B=512, T=8192: `decoupled_gae` on CUDA
@@ -31,7 +32,6 @@ import statistics
 import sys
 import time
 
-import numba
 import torch
 
 import gae
@@ -174,7 +174,6 @@ def main():
             sys.exit("error: --device cuda: torch sees no CUDA device (--dry-run runs this mode's code on the CPU)")
         return gpu_main(args.repeats)
     torch.set_num_threads(args.threads)
-    numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
     print(f"torch {torch.__version__}, threads={args.threads} (torch and numba), cpus={os.cpu_count()}, "
           f"chunk={gae_fast.CHUNK}", flush=True)
 

@@ -312,7 +312,8 @@ def test_without_a_writable_cache_the_loop_is_compiled_per_process(monkeypatch):
     assert (returns - gae_reference(rewards, values, mask, 1.0, 1.0)[1]).abs().max() <= 1e-5
 
 
-def test_the_compiled_loop_leaves_torchs_thread_count_alone():
+@pytest.mark.parametrize("fast_path", ["compiled"])  # once: the fresh process below takes the compiled loop
+def test_the_compiled_loop_leaves_torchs_thread_count_alone(fast_path):
     """numba's OpenMP layer shares torch's libgomp: its first parallel call used to set every core as
     the process's OpenMP thread count, so torch ignored --threads from the first GAE on. In a fresh
     process, since that first call happens once per process."""
