@@ -48,6 +48,7 @@ from critic import orm_path
 from sft import sft_cache_path
 
 TRAIN = Path(__file__).resolve().parents[1] / "train.py"
+CACHE_POLL_S = 10  # how often run_grid looks for the shared stages the waiting runs read
 
 VARIANTS = {  # name -> (train.py flags, AIME 2024 pass@1 the paper reports at 8k context)
     "ppo": (["--critic-init", "rm", "--value-pretrain-steps", "0", "--lam-critic", "0.95"], 5.6),
@@ -142,8 +143,9 @@ def execute(run: Run) -> tuple[Run, float, int]:
 
 def run_grid(runs: list[Run], jobs: int, out_dir: str) -> tuple[float, list[Run]]:
     """Runs what is missing, `jobs` at a time; returns the wall time and the runs that failed. When the
-    shared pi_SFT (or ORM) is missing, one run builds it first and only runs that need neither (a
-    critic from the cached pi_SFT) go beside it; the others wait for it."""
+    shared pi_SFT (or ORM) is missing, one run builds it first; each other run starts as soon as the
+    shared stages it reads are built (pi_SFT, and the ORM for a critic from the ORM), or once the
+    builder has stopped."""
     todo = [r for r in runs if not r.done]
     failed, start = [], time.time()
     if not todo:
@@ -152,26 +154,30 @@ def run_grid(runs: list[Run], jobs: int, out_dir: str) -> tuple[float, list[Run]
     sft_cache, orm_cache = Path(sft_cache_path(todo[0].config)), Path(orm_path(todo[0].config))
     bar = tqdm(total=len(todo), desc="ablation runs", dynamic_ncols=True)
 
-    def finished(run, wall, code):
-        failed.extend([run] if code else [])
-        bar.update()
-        tqdm.write(f"{run.dir.name}: {'done' if code == 0 else f'FAILED (exit {code})'} in {wall:.0f} s")
+    def built_for(run: Run) -> bool:  # build_once renames a finished stage into place, so a directory is whole
+        return sft_cache.is_dir() and (run.config.critic_init != "rm" or orm_cache.is_dir())
 
     builder = None
     if not sft_cache.is_dir() or (needs_orm and not orm_cache.is_dir()):
         todo.sort(key=lambda r: r.config.critic_init != "rm")  # a critic-from-ORM run builds both caches
         builder = todo.pop(0)
-    beside = [r for r in todo if builder is None or (sft_cache.is_dir() and r.config.critic_init != "rm")]
+        bar.set_postfix_str(f"{builder.dir.name} builds the shared pi_SFT and ORM")
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        first = None if builder is None else pool.submit(execute, builder)  # queued first: starts first
-        futures = [pool.submit(execute, r) for r in beside]
-        if first is not None:
-            bar.set_postfix_str(f"{builder.dir.name} builds the shared pi_SFT and ORM")
-            finished(*first.result())
-            bar.set_postfix_str("")
-            futures += [pool.submit(execute, r) for r in todo if r not in beside]
+        futures = [] if builder is None else [pool.submit(execute, builder)]  # queued first: starts first
+        waiting = todo
+        while waiting:
+            builder_stopped = builder is None or futures[0].done()
+            ready = [r for r in waiting if builder_stopped or built_for(r)]
+            futures += [pool.submit(execute, r) for r in ready]
+            waiting = [r for r in waiting if r not in ready]
+            if waiting:
+                time.sleep(CACHE_POLL_S)
+        bar.set_postfix_str("")
         for future in as_completed(futures):
-            finished(*future.result())
+            run, wall, code = future.result()
+            failed.extend([run] if code else [])
+            bar.update()
+            tqdm.write(f"{run.dir.name}: {'done' if code == 0 else f'FAILED (exit {code})'} in {wall:.0f} s")
     bar.close()
     return time.time() - start, failed
 

@@ -3,6 +3,8 @@ running a micro grid through train.py."""
 import dataclasses
 import json
 import math
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -116,3 +118,39 @@ def test_each_band_has_its_lines_colour(tmp_path, monkeypatch):
         assert len(lines) == 3 and len(bands) == 2
         for line, band in zip((lines[0], lines[2]), bands):
             assert matplotlib.colors.to_hex(band.get_facecolor()[0]) == matplotlib.colors.to_hex(line.get_color())
+
+
+def test_runs_waiting_for_the_shared_stages_start_once_what_they_read_is_built(tmp_path, monkeypatch):
+    """The builder (a critic-from-ORM run) builds pi_SFT, then the ORM, then trains; a run from
+    pi_SFT starts once pi_SFT is there, another critic-from-ORM run once the ORM is, both before
+    the builder ends."""
+    runs = ablation.plan_runs(ablation.Args(out_dir=str(tmp_path), variants=("ppo", "vc-ppo"), seeds=(0, 1)), [])
+    sft, orm = Path(ablation.sft_cache_path(runs[0].config)), Path(ablation.orm_path(runs[0].config))
+    events, lock = [], threading.Lock()
+
+    def log(what):
+        with lock:
+            events.append(what)
+
+    def fake_execute(run):
+        log(f"start {run.dir.name}")
+        if run.dir.name == "ablation__ppo__seed0":
+            for stage in (sft, orm):
+                time.sleep(0.2)
+                log(f"built {stage.name}")
+                stage.mkdir(parents=True)
+            deadline = time.time() + 10
+            while sum(e.startswith("start") for e in events) < len(runs) and time.time() < deadline:
+                time.sleep(0.01)  # trains until the others have started
+        log(f"end {run.dir.name}")
+        return run, 0.0, 0
+
+    monkeypatch.setattr(ablation, "execute", fake_execute)
+    monkeypatch.setattr(ablation, "CACHE_POLL_S", 0.01)
+    _, failed = ablation.run_grid(runs, jobs=len(runs), out_dir=str(tmp_path))
+    assert not failed
+    at = {e: i for i, e in enumerate(events)}
+    assert at["start ablation__ppo__seed0"] == 0
+    for seed in (0, 1):
+        assert at[f"built {sft.name}"] < at[f"start ablation__vc-ppo__seed{seed}"] < at[f"built {orm.name}"]
+    assert at[f"built {orm.name}"] < at["start ablation__ppo__seed1"] < at["end ablation__ppo__seed0"]
