@@ -59,6 +59,10 @@ class Config:
     task_length: Literal["short", "long"] = "short"
     """built-in task: `short` (4-digit numbers, ~135-token responses) or `long` (10 digits, 40 to 52
     doublings: ~520-token responses, the paper's regime; task.SHAPES)"""
+    task_difficulty: tuple[int, int] | None = None
+    """built-in task: the range of k (doublings) of its RL and held-out problems, e.g. `46 52` for
+    longer chains than the long task's; None: the task length's (task.SHAPES). pi_SFT is trained on
+    the task length's own range, so runs that differ only here share it"""
     task_train_size: int = 20000
     """built-in task: number of training problems"""
     task_eval_size: int = 64
@@ -181,6 +185,17 @@ class Config:
     compile_layers: bool = False
     """torch.compile each decoder layer of actor and critic (meant for GPUs; a CPU needs a C++ compiler)"""
 
+    def _task_difficulty_check(self) -> tuple[bool, str]:
+        """(valid, what valid is) for --task-difficulty: a range within what pi_SFT was trained on."""
+        if self.task_difficulty is None:
+            return True, ""
+        import task  # only here: it loads transformers
+
+        lo, hi = task.SHAPES[self.task_length].sft_difficulty
+        low, high = self.task_difficulty
+        return (self.data is None and lo <= low <= high <= hi,
+                f"two k with {lo} <= min <= max <= {hi}, the {self.task_length} task's SFT range, and no --data")
+
     def validate(self, world_size: int = 1) -> None:
         """Fail at start, naming every bad field and the values it may take. Under torchrun every
         rank must get the same number of rows and of equal mini-batches: ranks running different
@@ -224,6 +239,7 @@ class Config:
             "data": (self.data is None or (self.model is not None and os.path.isfile(self.data)),
                      "an existing file, with --model: the built-in pi_SFT knows only the built-in task"),
             "max_prompt_tokens": (self.max_prompt_tokens >= 1, ">= 1"),
+            "task_difficulty": self._task_difficulty_check(),
             "task_train_size": (self.task_train_size >= 1, ">= 1"),
             "task_eval_size": (self.task_eval_size >= 1, ">= 1"),
             "tensor_parallel_size": (self.tensor_parallel_size >= 1 and world_size % self.tensor_parallel_size == 0,

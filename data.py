@@ -174,15 +174,23 @@ def train_eval_split(records: list[dict], eval_fraction: float, seed: int = 0) -
 # --- what a run trains and evaluates on ---------------------------------------------------------
 
 
+def task_difficulty(cfg) -> tuple[int, int]:
+    """The range of k of the built-in task's RL and held-out problems: --task-difficulty, or its
+    task length's."""
+    import task
+
+    return tuple(cfg.task_difficulty or task.SHAPES[cfg.task_length].difficulty)
+
+
 def prepare_data(cfg, tokenizer) -> tuple[list[dict], list[dict]]:
     """(train, held-out) records: the user's `--data` file, or the built-in task (`task.py`),
     whose problems depend only on fixed seeds so that every run sees the same data."""
     if cfg.data is None:
         import task
 
-        records, shape = {}, task.SHAPES[cfg.task_length]
+        records, width = {}, task.SHAPES[cfg.task_length].width
         for split, n, seed in (("train", cfg.task_train_size, 1), ("eval", cfg.task_eval_size, 2)):
-            problems = task.make_problems(n, seed, *shape.difficulty, shape.width)
+            problems = task.make_problems(n, seed, *task_difficulty(cfg), width)
             records[split] = [{**p, "prompt_ids": encode_prompt(tokenizer, p["prompt"])} for p in problems]
         return records["train"], records["eval"]
     records, stats = load_records(cfg.data, tokenizer, cfg.prompt_key, cfg.answer_key,

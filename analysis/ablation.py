@@ -229,7 +229,8 @@ def figure_rows(variants) -> list[list[str]]:
 
 
 def task_name(config: Config) -> str:
-    return f"the built-in task ({config.task_length}, max_new_tokens {config.max_new_tokens})"
+    problems = "" if config.task_difficulty is None else ", k {}-{}".format(*config.task_difficulty)
+    return f"the built-in task ({config.task_length}{problems}, max_new_tokens {config.max_new_tokens})"
 
 
 def plot(curves: dict, path: Path, task: str) -> None:

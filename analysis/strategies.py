@@ -28,6 +28,7 @@ import rundir
 import task
 from checkpoints import latest_checkpoint, load_model_weights
 from config import Config
+from data import task_difficulty
 from sft import evaluate_task, sft_cache_path, sft_config, sft_settings
 
 STRATEGIES = ("full", "merged", "shortcut", "invalid", "truncated")
@@ -82,12 +83,14 @@ def main(args: Args) -> dict:
     if unfinished:
         raise ValueError(f"not finished (no summary.json): {', '.join(unfinished)}; the actor of a finished run is read")
     base = configs[0]
-    if any(c.model or c.data or sft_settings(sft_config(c)) != sft_settings(sft_config(base)) for c in configs):
-        raise ValueError("the runs must share the built-in task's pi_SFT (same --task-length and --sft-steps)")
+    if any(c.model or c.data or sft_settings(sft_config(c)) != sft_settings(sft_config(base))
+           or task_difficulty(c) != task_difficulty(base) for c in configs):
+        raise ValueError("the runs must share the built-in task's pi_SFT and problems "
+                         "(same --task-length, --sft-steps and --task-difficulty)")
     sft_path = sft_cache_path(base)
     tokenizer = AutoTokenizer.from_pretrained(sft_path)
-    shape = task.SHAPES[base.task_length]
-    problems = task.make_problems(args.problems, args.seed, *shape.difficulty, shape.width)
+    low, high = task_difficulty(base)
+    problems = task.make_problems(args.problems, args.seed, low, high, task.SHAPES[base.task_length].width)
     policies = {"pi_SFT": lambda: AutoModelForCausalLM.from_pretrained(sft_path, dtype=torch.float32).eval()}
     policies.update({str(run): (lambda run=run: final_actor(run, sft_path)) for run in args.runs})
     reports = {}
@@ -96,8 +99,7 @@ def main(args: Args) -> dict:
                                       temperature=base.temperature, seed=args.seed,
                                       grader_timeout_s=base.grader_timeout_s)
         print(f"{name}: pass@1 {reports[name]['accuracy']:.3f}", flush=True)
-    lines = [f"# Strategies after PPO: {args.problems} held-out problems of k {shape.difficulty[0]}-"
-             f"{shape.difficulty[1]}, one sample each (temperature {base.temperature}, {base.max_new_tokens} tokens)",
+    lines = [f"# Strategies after PPO: {args.problems} held-out problems of k {low}-{high}, one sample each (temperature {base.temperature}, {base.max_new_tokens} tokens)",
              "", "Each strategy: share of responses (its accuracy). Line accuracy: worked lines that are right. "
              "Doublings merged: the share of all worked doublings that were done two to a line.", "",
              "| policy | pass@1 | mean length | " + " | ".join(STRATEGIES) +

@@ -11,10 +11,17 @@ one setting at a time and runs plain PPO against VC-PPO in each cell, with the s
 | lam-actor-0.99 | `--steps 20 --lam-actor 0.99` (plain PPO's critic keeps lambda 0.95) |
 | max-new-tokens-560 | `--steps 20 --max-new-tokens 560`: a limit that truncates more of pi_SFT's responses |
 | steps-100 | `--steps 100`: the default cell, twice as long |
+| k-46-52, k-28-40 | `--steps 50 --task-difficulty 46 52 --max-new-tokens 620` (and `28 40`, `460`): task length |
 
 The limit of 560 tokens cuts 28% of the SFT mix's responses (37% of its worked chains), where the
 preset's 600 cuts 10% (14%); 480 would cut 68% (88%), leaving little for PPO to learn from
 (4,000 problems of the long task, seed 1).
+
+The task-length cells keep pi_SFT (trained on k = 1 to 52) and draw the RL and held-out problems
+from another range of k: 46-52, the longest chains the task's 52 labels allow (median SFT-mix
+response 569 tokens, 28 GAE horizons, against the preset's 519, 26), and 28-40 (386 tokens, 19
+horizons). Each has its own ORM (trained on its own problems) and a limit that cuts about the
+preset's share of the SFT mix's responses: 620 cuts 10.5% (46-52), 460 cuts 12.7% (28-40).
 
 Each cell's two runs are collapse.py's (`ppo`, `vc-ppo`, the ablation grid's cells) in
 <root>/<cell>/. A cell reuses the base --out-dir's pi_SFT, and its ORM when the ORM's settings are
@@ -55,6 +62,8 @@ CELLS = {  # name -> train.py flags after --preset tiny-long
     "lam-actor-0.99": ["--steps", "20", "--lam-actor", "0.99"],
     "max-new-tokens-560": ["--steps", "20", "--max-new-tokens", "560"],
     "steps-100": ["--steps", "100"],
+    "k-46-52": ["--steps", "50", "--task-difficulty", "46", "52", "--max-new-tokens", "620"],
+    "k-28-40": ["--steps", "50", "--task-difficulty", "28", "40", "--max-new-tokens", "460"],
 }
 WINDOW = collapse.WINDOW
 

@@ -150,9 +150,11 @@ runpy.run_path({str(ROOT / "sft.py")!r}, run_name="__main__")
     ("--grader-timeout-s", "inf", r"--grader-timeout-s = inf \(must be finite and > 0\)"),
     ("--truncation-reward", "nan", r"--truncation-reward = nan \(must be finite\)"),
     ("--lam-actor", "1.5", r"--lam-actor = 1.5 \(must be in \[0, 1\]\)"),
+    # pi_SFT of the short task never saw k = 49 (task.SHAPES)
+    ("--task-difficulty", "40 49", r"--task-difficulty = \(40, 49\) \(must be two k with 1 <= min <= max <= 48"),
 ])
 def test_bad_flag_values_stop_naming_the_flag_and_its_valid_range(out_dir, first_run, flag, value, match):
-    refused(out_dir, "--run-name", "first", flag, value, match=match)
+    refused(out_dir, "--run-name", "first", flag, *value.split(), match=match)
 
 
 # 3. A failed start must not block its corrected rerun --------------------------------------------------------

@@ -206,3 +206,24 @@ def test_a_line_cut_short_is_reported_at_its_real_column(tmp_path):
     path.write_text(json.dumps(GOOD[1]) + "\n" + '{"prompt": "x", "answer": y}\n')
     with pytest.raises(DataError, match=r"d\.jsonl:2: malformed JSON \(Expecting value: column 27 of 28\)"):
         load_records(path, char_tokenizer())
+
+
+def test_task_difficulty_draws_the_built_in_problems_from_its_range_and_keeps_pi_sft():
+    from config import parse_config
+    from critic import orm_settings
+    from data import prepare_data
+    from sft import sft_config, sft_settings
+
+    import task
+
+    default = parse_config(["--preset", "tiny-long", "--task-train-size", "200", "--task-eval-size", "50"])
+    longer = parse_config(["--preset", "tiny-long", "--task-train-size", "200", "--task-eval-size", "50",
+                           "--task-difficulty", "46", "52"])
+    train, held_out = prepare_data(longer, task.build_tokenizer())
+    ks = {p["difficulty"] for p in train + held_out}
+    assert min(ks) == 46 and max(ks) == 52
+    assert all(len(str(task.parse_prompt(p["prompt"])[0])) == 10 for p in held_out)  # the long task's width
+    default_train, _ = prepare_data(default, task.build_tokenizer())
+    assert min(p["difficulty"] for p in default_train) == 40  # the preset's own range, 40-52
+    assert sft_settings(sft_config(longer)) == sft_settings(sft_config(default))  # one pi_SFT for both
+    assert orm_settings(longer) != orm_settings(default)  # the ORM is trained on the run's own problems
