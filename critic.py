@@ -144,10 +144,13 @@ ORM_SETTINGS = ("orm_batches", "orm_steps", "orm_lr", "prompts_per_step", "sampl
 
 def orm_path(cfg) -> str:
     """Where the ORM of a run is cached: shared by every run of the built-in task (orm, or orm-long
-    for its long version), one per run with --model."""
+    for its long version; orm-long-k46-52 with --task-difficulty 46 52), one per run with --model."""
     if cfg.model is not None:
         return os.path.join(cfg.out_dir, "_shared", f"orm-{cfg.run_name}")
-    return os.path.join(cfg.out_dir, "_shared", "orm" if cfg.task_length == "short" else f"orm-{cfg.task_length}")
+    name = "orm" if cfg.task_length == "short" else f"orm-{cfg.task_length}"
+    if cfg.task_difficulty is not None:  # its own problems: beside the task length's ORM, not in its place
+        name += "-k{}-{}".format(*cfg.task_difficulty)
+    return os.path.join(cfg.out_dir, "_shared", name)
 
 
 def orm_settings(cfg) -> dict:
