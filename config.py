@@ -7,6 +7,7 @@ the parser that checks every value at start. The ablation switches of the paper 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 from typing import Literal
@@ -299,6 +300,7 @@ def check_settings(where: str, stored: dict, wanted: dict, ignore=(), remedy: st
     settings than `wanted`: reusing it would silently mix two experiments. Keys in `ignore` may
     differ; out_dir compares as a path. The message names every difference, as a flag."""
     same_dir = lambda a, b: isinstance(a, str) and os.path.realpath(a) == os.path.realpath(b)  # noqa: E731
+    wanted = json.loads(json.dumps(wanted))  # as it was stored: a tuple flag reads back as a list
     diff = sorted(k for k, v in wanted.items() if k not in ignore
                   and not (stored.get(k) == v or k == "out_dir" and same_dir(stored.get(k), v)))
     if diff:

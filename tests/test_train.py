@@ -522,6 +522,14 @@ def test_a_settings_refusal_names_every_changed_setting_as_a_flag():
                                   "--field-6 -6 -> 6, --new-one (not recorded) -> 1); delete it")
 
 
+def test_a_tuple_setting_matches_the_list_it_was_stored_as(tmp_path):
+    rundir.write_json(str(tmp_path / "s.json"), {"task_difficulty": (46, 52)})
+    stored = json.loads((tmp_path / "s.json").read_text())
+    config.check_settings("here", stored, {"task_difficulty": (46, 52)})  # no refusal
+    with pytest.raises(config.ConfigError, match=r"--task-difficulty \[46, 52\] -> \[28, 40\]"):
+        config.check_settings("here", stored, {"task_difficulty": (28, 40)})
+
+
 def test_metrics_files_write_an_undefined_value_as_null_not_bare_nan(tmp_path):
     log = rundir.MetricsLog(str(tmp_path), keep_up_to_step=-1)
     log.write(0, {"critic/vf_explained_var": float("nan"), "x": 1.0})
