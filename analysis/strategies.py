@@ -99,7 +99,8 @@ def main(args: Args) -> dict:
                                       temperature=base.temperature, seed=args.seed,
                                       grader_timeout_s=base.grader_timeout_s)
         print(f"{name}: pass@1 {reports[name]['accuracy']:.3f}", flush=True)
-    lines = [f"# Strategies after PPO: {args.problems} held-out problems of k {low}-{high}, one sample each (temperature {base.temperature}, {base.max_new_tokens} tokens)",
+    lines = [f"# Strategies after PPO: {args.problems} held-out problems of k {low}-{high}, one sample each "
+             f"(temperature {base.temperature}, {base.max_new_tokens} tokens)",
              "", "Each strategy: share of responses (its accuracy). Line accuracy: worked lines that are right. "
              "Doublings merged: the share of all worked doublings that were done two to a line.", "",
              "| policy | pass@1 | mean length | " + " | ".join(STRATEGIES) +

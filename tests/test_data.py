@@ -226,5 +226,5 @@ def test_task_difficulty_draws_the_built_in_problems_from_its_range_and_keeps_pi
     default_train, _ = prepare_data(default, task.build_tokenizer())
     assert min(p["difficulty"] for p in default_train) == 40  # the preset's own range, 40-52
     assert sft_settings(sft_config(longer)) == sft_settings(sft_config(default))  # one pi_SFT for both
-    assert orm_settings(longer) != orm_settings(default)  # the ORM is trained on the run's own problems,
+    assert orm_settings(longer) != orm_settings(default)  # the ORM is trained on the run's own problems
     assert orm_path(longer).endswith("orm-long-k46-52") and orm_path(default).endswith("orm-long")  # kept apart
