@@ -3,6 +3,10 @@
     python bench/rollout_bench.py                 # tiny (2 layers, hidden 128) and mid (8 layers, hidden 512)
     python bench/rollout_bench.py --prompts 64 --new-tokens 128 --threads 2
     python bench/rollout_bench.py --models tiny --backends hf --new-tokens 600 --profile   # where HF's time goes
+    python bench/rollout_bench.py --checkpoint runs/long/_shared/sft-long --task-length long --new-tokens 600
+
+Random weights end a response at a random EOS within tens of tokens; --checkpoint times a trained
+pi_SFT instead (the long task's: responses of ~500 tokens), on its task's prompts.
 
 Every (backend, model) pair runs in its own child process (vLLM changes process-wide thread
 settings), on the same randomly initialised weights and prompts, sampling at temperature 1.
@@ -32,19 +36,30 @@ def measure(args) -> dict:
     """In the child: build the model, time generation with one backend, return the numbers."""
     import torch
 
-    from task import build_tokenizer, make_problems, make_tiny_model
+    from task import SHAPES, build_tokenizer, make_problems, make_tiny_model
 
     torch.set_num_threads(args.threads)
-    tokenizer = build_tokenizer()
-    model = make_tiny_model(tokenizer, seed=0, **MODELS[args.model]).eval()
-    prompts = [tokenizer(p["prompt"]).input_ids for p in make_problems(args.prompts, seed=0)]
+    if args.checkpoint:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.checkpoint)
+        model = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=torch.float32).eval()
+    else:
+        tokenizer = build_tokenizer()
+        model = make_tiny_model(tokenizer, seed=0, **MODELS[args.model]).eval()
+    shape = SHAPES[args.task_length]
+    problems = make_problems(args.prompts, seed=0, min_difficulty=shape.difficulty[0],
+                             max_difficulty=shape.difficulty[1], width=shape.width)
+    prompts = [tokenizer(p["prompt"]).input_ids for p in problems]
     start = time.perf_counter()
     if args.backend == "vllm":
         from checkpoints import export_hf_checkpoint
         from rollout import VLLMRollout
 
-        path = os.path.join(tempfile.mkdtemp(), "model")
-        export_hf_checkpoint(model, tokenizer, path)
+        path = args.checkpoint
+        if not path:
+            path = os.path.join(tempfile.mkdtemp(), "model")
+            export_hf_checkpoint(model, tokenizer, path)
         engine = VLLMRollout(path, tokenizer, max_model_len=max(map(len, prompts)) + args.new_tokens)
     else:
         from rollout import HFRollout
@@ -80,10 +95,12 @@ def main() -> None:
     # many small ops wait for a descheduled thread (measured: HF 2.5x slower, vLLM barely).
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--checkpoint", help="a trained model (Hugging Face format) instead of --models' random ones")
+    p.add_argument("--task-length", default="short", choices=["short", "long"], help="the built-in task's prompts")
     p.add_argument("--backends", nargs="+", default=["hf", "vllm"], choices=["hf", "vllm"])
     p.add_argument("--profile", action="store_true", help="HF: the operators that take the most time")
     p.add_argument("--backend", choices=["hf", "vllm"], help=argparse.SUPPRESS)  # child mode
-    p.add_argument("--model", choices=list(MODELS), help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.backend:
         print(json.dumps(measure(args)))
@@ -92,12 +109,13 @@ def main() -> None:
     print(f"{args.prompts} prompts x up to {args.new_tokens} new tokens, temperature 1, "
           f"{args.threads} threads, median of {args.repeats}")
     print(f"{'model':<6}{'params':>8}{'backend':>9}{'start s':>9}{'gen s':>8}{'tokens':>8}{'tok/s':>9}{'vllm/hf':>9}")
-    for model in args.models:
+    for model in ["ckpt"] if args.checkpoint else args.models:
         results = {}
         for backend in args.backends:
             child = [sys.executable, __file__, "--backend", backend, "--model", model,
                      "--prompts", str(args.prompts), "--new-tokens", str(args.new_tokens),
-                     "--repeats", str(args.repeats), "--threads", str(args.threads), *(["--profile"] * args.profile)]
+                     "--repeats", str(args.repeats), "--threads", str(args.threads), *(["--profile"] * args.profile),
+                     "--task-length", args.task_length, *(["--checkpoint", args.checkpoint] * bool(args.checkpoint))]
             out = subprocess.run(child, env=env, capture_output=True, text=True)
             if out.returncode:
                 raise SystemExit(f"{backend}/{model} failed:\n{out.stderr[-3000:]}")

@@ -40,3 +40,20 @@ def test_rollout_bench_profiles_hugging_face_generate():
     assert done.returncode == 0, done.stderr
     shares = [float(line.split("%")[0]) for line in done.stdout.splitlines() if "of the call's operator time" in line]
     assert len(shares) == 6 and 0 < sum(shares) <= 100.05 and shares == sorted(shares, reverse=True)
+
+
+def test_rollout_bench_times_a_trained_checkpoint_on_its_tasks_prompts(tmp_path):
+    from checkpoints import export_hf_checkpoint
+    from task import build_tokenizer, make_tiny_model
+
+    tokenizer = build_tokenizer()
+    model = make_tiny_model(tokenizer, num_layers=1, seed=0)
+    export_hf_checkpoint(model, tokenizer, str(tmp_path / "model"))
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "rollout_bench.py"), "--checkpoint", str(tmp_path / "model"),
+                           "--task-length", "long", "--backends", "hf", "--prompts", "2", "--new-tokens", "4",
+                           "--repeats", "1"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+    row = done.stdout.splitlines()[-1].split()
+    params = f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M"  # the checkpoint's model, not --models'
+    assert row[:3] == ["ckpt", params, "hf"] and 1 <= int(row[5]) <= 8  # 2 responses of 1-4 tokens
