@@ -16,7 +16,14 @@ and prints, as its last line,
 
 where a length ratio is the lowest 5-step moving average of the batch-mean response length over
 the first step's batch mean (a collapse shows as a ratio well below 1), the accuracies are
-held-out pass@1 after PPO, and sft_acc is pi_SFT's on the same problems. The runs are the
+held-out pass@1 after PPO, and sft_acc is pi_SFT's on the same problems. Before it comes Fig. 2
+on the same setting (analysis/advantage_bias.py on fresh pi_SFT responses): the mean advantage at
+lambda 0.95 over the first quarter of each response under the ORM critic and under this seed's
+value-pretrained one, with the ORM's quality as a reward model beside it:
+
+    fig2 orm_first_quarter=<m> (<z> SE) pretrained_first_quarter=<m> (<z> SE) orm_auc=<a> orm_sign_acc=<s> base_rate=<b>
+
+The runs are the
 ablation grid's `ppo` and `vc-ppo` cells (analysis/ablation.py runs, resumes and reads them), so
 `ablation.py --out-dir runs/long -- --preset tiny-long` reuses them. Flags after `--` go to both
 train.py runs, after the preset.
@@ -34,10 +41,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 
-from analysis import ablation
+from analysis import ablation, advantage_bias
 
 RUNS = ("ppo", "vc-ppo")
 WINDOW = 5  # steps of the moving average in the length ratio
+FIG2_LAMBDA = 0.95  # plain PPO's lambda, the paper's Fig. 2
 
 
 @dataclass
@@ -54,6 +62,8 @@ class Args:
     """train.py processes at once (each uses --threads torch threads)"""
     read_only: bool = False
     """only read finished runs; never start train.py"""
+    fig2_rollouts: int = 128
+    """pi_SFT responses that Fig. 2 reads (advantage_bias.py, written to <out>/fig2_seed<seed>/); 0: skip it"""
 
 
 def length_ratio(lengths: list[float], window: int = WINDOW) -> float:
@@ -83,6 +93,30 @@ def measure(loaded: dict) -> dict:
                        ("response_length/mean", "response_length/truncated_frac", "reward/accuracy")},
         }
     return out
+
+
+def fig2(args: Args, vc_ppo_dir: Path, train_flags: list[str]) -> dict:
+    """Fig. 2 on the runs' setting: the ORM and this seed's value-pretrained critic on fresh pi_SFT
+    responses (advantage_bias.main, which also judges the ORM as a reward model)."""
+    bias_args = advantage_bias.Args(out=args.out / f"fig2_seed{args.seed}", rollouts=args.fig2_rollouts, seed=args.seed,
+                                    critic=str(vc_ppo_dir / "value_pretrain" / "critic"), lambdas=(FIG2_LAMBDA, 1.0))
+    r = advantage_bias.main(bias_args, ["--preset", "tiny-long", "--out-dir", args.out_dir, *train_flags])
+    quarter = {name: dict(zip(("mean", "se"), fq[FIG2_LAMBDA])) for name, fq in r.first_quarter.items()}
+    return {"first_quarter_advantage": quarter, "orm_quality": r.orm_quality.get("complete"),
+            "rollouts": r.rollout, "dir": str(bias_args.out)}
+
+
+def fig2_line(f: dict) -> str:
+    def quarter(name):
+        q = f["first_quarter_advantage"].get(name)
+        if q is None:
+            return "n/a"
+        return f"{q['mean']:+.3f} ({q['mean'] / q['se'] if q['se'] else float('nan'):+.1f} SE)"
+
+    q = f["orm_quality"] or {}
+    return (f"fig2 orm_first_quarter={quarter('orm')} pretrained_first_quarter={quarter('pretrained')} "
+            f"orm_auc={q.get('auc', float('nan')):.3f} orm_sign_acc={q.get('sign_accuracy', float('nan')):.3f} "
+            f"base_rate={q.get('base_rate', float('nan')):.3f}")
 
 
 def summary_line(m: dict) -> str:
@@ -126,6 +160,14 @@ def markdown(m: dict, seed: int, run_dirs: list[str]) -> str:
                      f"{r['final_acc']:.3f} | {r['final_mean_length']:.0f} | "
                      f"{' / '.join(f(a) for a in r['first_step_advantage_by_quarter'])} | "
                      f"{f(r['first_step_critic_ev'], 2)} | {wall} |")
+    if "fig2" in m:
+        f = m["fig2"]
+        lines += ["", f"Fig. 2 on the same setting ({f['rollouts']['responses']} fresh pi_SFT responses, mean length "
+                  f"{f['rollouts']['mean_length']:.0f}, accuracy {f['rollouts']['accuracy']:.3f}; {f['dir']}): mean "
+                  f"advantage at lambda {FIG2_LAMBDA} over the first quarter of each response (mean / SE over responses) "
+                  "under the ORM critic and this seed's value-pretrained one, and the ORM as a reward model on the "
+                  "complete responses (AUC, sign accuracy, and the base rate that always answering the majority "
+                  "outcome gets):", "", fig2_line(f)]
     lines += ["", "Runs: " + ", ".join(run_dirs), "", summary_line(m), ""]
     return "\n".join(lines)
 
@@ -140,6 +182,8 @@ def main(args: Args, train_flags: list[str]) -> dict:
     if missing:
         raise SystemExit(f"error: run(s) did not finish, see {', '.join(missing)}")
     m = measure({r.variant: ablation.load(r) for r in runs})
+    if args.fig2_rollouts:
+        m["fig2"] = fig2(args, next(r.dir for r in runs if r.variant == "vc-ppo"), train_flags)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"collapse_seed{args.seed}"
     plot(m, args.seed, stem.with_suffix(".png"))
@@ -147,6 +191,8 @@ def main(args: Args, train_flags: list[str]) -> dict:
     stem.with_suffix(".json").write_text(json.dumps(m, indent=1))
     print(stem.with_suffix(".md").read_text())
     print(f"wrote {stem}.png, .md and .json")
+    if "fig2" in m:
+        print(fig2_line(m["fig2"]))
     print(summary_line(m))
     return m
 

@@ -18,6 +18,10 @@ from test_train import MICRO
 ROOT = Path(__file__).resolve().parents[1]
 LINE = re.compile(r"collapse ppo_length_ratio=(\S+) vcppo_length_ratio=(\S+) ppo_final_acc=(\S+) "
                   r"vcppo_final_acc=(\S+) sft_acc=(\S+)")
+SIGNED = r"[+-]\d+\.\d{3} \([+-](\d+\.\d|nan) SE\)"
+SHARE = r"(\d\.\d{3}|nan)"  # nan: no complete response to judge the ORM on
+FIG2 = re.compile(rf"fig2 orm_first_quarter={SIGNED} pretrained_first_quarter={SIGNED} orm_auc={SHARE} "
+                  rf"orm_sign_acc={SHARE} base_rate={SHARE}")
 
 
 def test_length_ratio_is_the_lowest_moving_average_over_the_first_step():
@@ -47,7 +51,7 @@ def fake_run(out_dir: Path, variant: str, steps: int, lengths: list[float], acc:
 def test_reads_both_runs_and_prints_the_summary_line_last(tmp_path, capsys):
     fake_run(tmp_path, "ppo", 6, [600, 500, 300, 200, 200, 200], 0.1)
     fake_run(tmp_path, "vc-ppo", 6, [600, 620, 640, 650, 660, 670], 0.4)
-    args = collapse.Args(steps=6, out=tmp_path / "out", out_dir=str(tmp_path), read_only=True)
+    args = collapse.Args(steps=6, out=tmp_path / "out", out_dir=str(tmp_path), read_only=True, fig2_rollouts=0)
     m = collapse.main(args, [])
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert LINE.fullmatch(last), last
@@ -60,18 +64,20 @@ def test_reads_both_runs_and_prints_the_summary_line_last(tmp_path, capsys):
 
 def test_runs_that_did_not_finish_are_a_clear_error(tmp_path):
     with pytest.raises(SystemExit, match="did not finish"):
-        collapse.main(collapse.Args(out_dir=str(tmp_path), read_only=True), [])
+        collapse.main(collapse.Args(out_dir=str(tmp_path), read_only=True, fig2_rollouts=0), [])
 
 
 @pytest.mark.slow
 def test_micro_runs_of_both_end_with_the_summary_line(tmp_path):
     # The short task's lines keep this under a minute; the long task's own pi_SFT cache: test_sft.py.
     cmd = [sys.executable, str(ROOT / "analysis" / "collapse.py"), "--steps", "2", "--out", str(tmp_path / "out"),
-           "--out-dir", str(tmp_path / "runs"), "--", *MICRO, "--value-pretrain-steps", "1", "--task-length", "short"]
+           "--out-dir", str(tmp_path / "runs"), "--fig2-rollouts", "4", "--", *MICRO, "--value-pretrain-steps", "1", "--task-length", "short"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr[-3000:]
-    last = done.stdout.strip().splitlines()[-1]
+    *_, fig2, last = done.stdout.strip().splitlines()
     assert LINE.fullmatch(last), last
+    assert FIG2.fullmatch(fig2), fig2  # Fig. 2 under both critics, read from this seed's runs
+    assert (tmp_path / "out" / "fig2_seed0" / "advantage_bias.md").is_file()
     for run in ("ppo", "vc-ppo"):
         cfg = json.loads((tmp_path / "runs" / f"ablation__{run}__seed0" / "config.json").read_text())
         assert (cfg["preset"], cfg["steps"], cfg["critic_init"]) == ("tiny-long", 2, "rm" if run == "ppo" else "sft")
