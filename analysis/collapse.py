@@ -95,12 +95,13 @@ def measure(loaded: dict) -> dict:
     return out
 
 
-def fig2(args: Args, vc_ppo_dir: Path, train_flags: list[str]) -> dict:
+def fig2(args: Args, vc_ppo: ablation.Run) -> dict:
     """Fig. 2 on the runs' setting: the ORM and this seed's value-pretrained critic on fresh pi_SFT
-    responses (advantage_bias.main, which also judges the ORM as a reward model)."""
+    responses (advantage_bias.main with the VC-PPO run's own flags, which name and check its critic;
+    it also judges the ORM as a reward model)."""
     bias_args = advantage_bias.Args(out=args.out / f"fig2_seed{args.seed}", rollouts=args.fig2_rollouts, seed=args.seed,
-                                    critic=str(vc_ppo_dir / "value_pretrain" / "critic"), lambdas=(FIG2_LAMBDA, 1.0))
-    r = advantage_bias.main(bias_args, ["--preset", "tiny-long", "--out-dir", args.out_dir, *train_flags])
+                                    lambdas=(FIG2_LAMBDA, 1.0))
+    r = advantage_bias.main(bias_args, vc_ppo.flags)
     quarter = {name: dict(zip(("mean", "se"), fq[FIG2_LAMBDA])) for name, fq in r.first_quarter.items()}
     return {"first_quarter_advantage": quarter, "orm_quality": r.orm_quality.get("complete"),
             "rollouts": r.rollout, "dir": str(bias_args.out)}
@@ -183,7 +184,7 @@ def main(args: Args, train_flags: list[str]) -> dict:
         raise SystemExit(f"error: run(s) did not finish, see {', '.join(missing)}")
     m = measure({r.variant: ablation.load(r) for r in runs})
     if args.fig2_rollouts:
-        m["fig2"] = fig2(args, next(r.dir for r in runs if r.variant == "vc-ppo"), train_flags)
+        m["fig2"] = fig2(args, next(r for r in runs if r.variant == "vc-ppo"))
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"collapse_seed{args.seed}"
     plot(m, args.seed, stem.with_suffix(".png"))
