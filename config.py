@@ -84,6 +84,10 @@ class Config:
     """advantage estimator: `gae` (PPO with a critic) or `grpo` (group-normalised, no critic)"""
     gamma: float = 1.0
     """discount (the paper uses 1.0)"""
+    critic_init_offset: float = 0.0
+    """an experiment knob, not a setting of the method: added to the critic's value head bias when it
+    is initialised (from pi_SFT or the ORM), before value pretraining, so that every V(s_t) starts
+    off by this much. Sets the critic's initial error by hand (analysis/collapse.py, paper §3.1)"""
 
     # --- PPO
     steps: int = 30
@@ -148,6 +152,10 @@ class Config:
     """outcome reward model training steps, cycling through those batches"""
     orm_lr: float = 3e-4
     """outcome reward model learning rate"""
+    orm_loss: Literal["mse", "bradley-terry"] = "mse"
+    """how the outcome reward model is trained: `mse` regresses its last-token score on the +-1
+    outcome; `bradley-terry` ranks a right response above a wrong one to the same prompt
+    (-log sigmoid(r_w - r_l)), as RLHF reward models are, leaving its offset and scale free"""
     plateau_window: int = 10
     """value pretraining stops early when loss and EV plateau over two such windows"""
     plateau_rel_tol: float = 0.02
@@ -207,6 +215,10 @@ class Config:
             "lam_actor": (0.0 <= self.lam_actor <= 1.0, "in [0, 1]"),
             "lam_critic": (0.0 <= self.lam_critic <= 1.0, "in [0, 1]"),
             "gamma": (0.0 <= self.gamma <= 1.0, "in [0, 1]"),
+            "critic_init_offset": (self.critic_init_offset == 0.0 or self.estimator == "gae",
+                                   "0 with --estimator grpo, which has no critic"),
+            "orm_loss": (self.orm_loss == "mse" or self.samples_per_prompt >= 2,
+                         "mse with --samples-per-prompt 1: Bradley-Terry needs two responses to a prompt"),
             "length_adaptive_alpha": (self.length_adaptive_alpha is None or self.length_adaptive_alpha > 0,
                                       "> 0, or unset"),
             "steps": (self.steps >= 0, ">= 0"),

@@ -15,8 +15,10 @@ Plain PPO initialises the critic from the ORM, whose prefix values are out of di
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
+import numpy as np
 import torch
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForTokenClassification
@@ -24,6 +26,7 @@ from transformers import AutoConfig, AutoModelForTokenClassification
 from data import sample_prompts, stream_seed
 from fsdp_utils import all_reduce, is_main, reduce_metrics, shard_options, world_size
 from checkpoints import copy_local_rows, export_hf_checkpoint, load_pretrained
+from config import ConfigError
 from ppo import value_loss
 from rollout import RolloutBatch
 from rundir import build_once, check_stage
@@ -53,6 +56,17 @@ def load_value_model(path: str, head_init_std: float | None = None, seed: int = 
         weight = torch.empty(model.score.weight.shape).normal_(0.0, std, generator=torch.Generator().manual_seed(seed))
         copy_local_rows(model.score.weight, weight)
         copy_local_rows(model.score.bias, torch.zeros(model.score.bias.shape))
+    return model
+
+
+@torch.no_grad()
+def shift_values(model, offset: float):
+    """Add `offset` to the value head's bias, so that every V(s_t) moves by exactly `offset`:
+    `--critic-init-offset`, the critic's initial error set by hand (§3.1). Each rank adds it to its
+    own rows of the (possibly sharded) bias. Returns `model`."""
+    if offset:
+        bias = model.score.bias
+        (bias.to_local() if hasattr(bias, "to_local") else bias).add_(offset)
     return model
 
 
@@ -88,14 +102,29 @@ def _last_token_outputs(model, batch: RolloutBatch) -> torch.Tensor:
     return outputs.gather(1, last.unsqueeze(1)).squeeze(1).to(torch.float32)
 
 
+def preference_pairs(outcomes: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(winners, losers): row indices of every pair of responses to the same prompt (rows come in
+    groups of `group` side by side, `data.sample_prompts`) where the first is right and the second wrong."""
+    pairs = [(w, l) for start in range(0, len(outcomes), group)
+             for w in range(start, min(start + group, len(outcomes)))
+             for l in range(start, min(start + group, len(outcomes))) if outcomes[w] > 0 >= outcomes[l]]
+    winners, losers = zip(*pairs) if pairs else ((), ())
+    return torch.tensor(winners, dtype=torch.long), torch.tensor(losers, dtype=torch.long)
+
+
 def train_orm(model, batches: list[RolloutBatch], outcomes: list[torch.Tensor], steps: int, lr: float,
-              weight_decay: float = 0.0, max_grad_norm: float = 1.0) -> list[dict]:
-    """Train the ORM: MSE between the last-token output and the +-1 outcome, as a reward model is.
+              loss: str = "mse", group: int = 2, weight_decay: float = 0.0, max_grad_norm: float = 1.0) -> list[dict]:
+    """Train the ORM on its last-token score, as a reward model is. `loss`:
+    - "mse": (score - outcome)^2, the score regressed onto the +-1 outcome; logs the sign accuracy;
+    - "bradley-terry": -log sigmoid(score_w - score_l) over every (right, wrong) pair of responses to
+      one prompt (`preference_pairs`, prompts in groups of `group` rows); only score differences are
+      trained, so the offset and scale are what training leaves them; logs the share of pairs ordered right.
 
     `outcomes[i]` is a float tensor [B_i] of +-1 (e.g. `verifier.rule_reward`) for `batches[i]`.
-    Steps cycle through the batches. Returns per-step metrics (loss, sign accuracy). Under torchrun
-    `model` is sharded and each rank holds its share of every batch: the squared errors are divided
-    by the global row count and FSDP sums the gradients, so the step is the single-process one.
+    Steps cycle through the batches (with Bradley-Terry, those that hold a pair). Returns per-step
+    metrics. Under torchrun `model` is sharded and each rank holds its share of every batch: the
+    per-row (per-pair) losses are divided by the global count and FSDP sums the gradients, so the step
+    is the single-process one.
     """
     if len(batches) != len(outcomes) or not batches:
         raise ValueError(f"train_orm: need as many outcome tensors as batches (>0); got "
@@ -105,25 +134,38 @@ def train_orm(model, batches: list[RolloutBatch], outcomes: list[torch.Tensor], 
             raise ValueError(f"train_orm: outcomes[{i}] has shape {tuple(outcome.shape)}, want ({len(batch)},)")
         if bool((batch.lengths < 1).any()):
             raise ValueError(f"train_orm: batches[{i}] holds an empty response (no last token)")
+    pairs = [preference_pairs(o.cpu(), group) for o in outcomes]
+    counts = [all_reduce(torch.tensor(float(len(batch) if loss == "mse" else len(w)))).item()
+              for batch, (w, _) in zip(batches, pairs)]  # global rows (pairs) of each batch
+    usable = [i for i, n in enumerate(counts) if n > 0]
+    if not usable:
+        raise ConfigError(f"Bradley-Terry reward model: no prompt among its {len(batches)} batches of pi_SFT samples has "
+                          f"both a right and a wrong response, so there is no pair to rank; raise --orm-batches or "
+                          f"--samples-per-prompt")
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     model.train()
     history = []
     bar = tqdm(range(steps), desc="ORM training", dynamic_ncols=True, leave=False, disable=not is_main())
     for step in bar:
-        batch, outcome = batches[step % len(batches)], outcomes[step % len(batches)].float()
-        rows = all_reduce(torch.tensor(float(len(batch)))).item()  # the global batch
+        i = usable[step % len(usable)]
+        batch, outcome, (winners, losers), count = batches[i], outcomes[i].float(), pairs[i], counts[i]
         scores = _last_token_outputs(model, batch)
-        squared_errors = ((scores - outcome) ** 2).sum()
-        loss = squared_errors / rows  # MSE at the last token only, over every rank's rows
+        if loss == "mse":
+            summed = ((scores - outcome) ** 2).sum()  # MSE at the last token only, over every rank's rows
+            correct = (torch.sign(scores.detach()) == torch.sign(outcome)).float().sum()
+        else:
+            margin = scores[winners.to(scores.device)] - scores[losers.to(scores.device)]
+            summed = -torch.nn.functional.logsigmoid(margin).sum()
+            correct = (margin.detach() > 0).float().sum()
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        (summed / count).backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         optimizer.step()
-        correct = (torch.sign(scores.detach()) == torch.sign(outcome)).float().sum()
-        totals = reduce_metrics({"loss": squared_errors.item(), "correct": correct.item()}, sums=("loss", "correct"))
-        history.append({"step": step, "orm/loss": totals["loss"] / rows,
-                        "orm/sign_accuracy": totals["correct"] / rows, "orm/grad_norm": grad_norm})
+        totals = reduce_metrics({"loss": summed.item(), "correct": correct.item()}, sums=("loss", "correct"))
+        accuracy = "orm/sign_accuracy" if loss == "mse" else "orm/pair_accuracy"
+        history.append({"step": step, "orm/loss": totals["loss"] / count, accuracy: totals["correct"] / count,
+                        "orm/grad_norm": grad_norm})
         bar.set_postfix(loss=f"{history[-1]['orm/loss']:.3f}")
     model.eval()
     return history
@@ -135,22 +177,52 @@ def orm_scores(model, batch: RolloutBatch) -> torch.Tensor:
     return _last_token_outputs(model, batch)
 
 
+def roc_auc(scores: np.ndarray, positive: np.ndarray) -> float:
+    """P(a positive scores above a negative), ties counting half: the ROC AUC (NaN without both classes)."""
+    pos, neg = scores[positive], scores[~positive]
+    if not len(pos) or not len(neg):
+        return float("nan")
+    return float((pos[:, None] > neg[None, :]).mean() + 0.5 * (pos[:, None] == neg[None, :]).mean())
+
+
+def orm_quality(model, scored: list) -> dict:
+    """The ORM judged as a reward model (what it was trained for): its score at the last token of each
+    response (`ScoredBatch`es) against the verified outcome, on complete responses (ended with EOS) and
+    on all of them. AUC is the measure for either loss (a Bradley-Terry score has no meaningful zero);
+    sign accuracy is set beside the base rate, the accuracy of always answering the majority outcome."""
+    scores = torch.cat([orm_scores(model, s.batch).cpu() for s in scored]).numpy()
+    correct = torch.cat([s.outcomes.cpu() for s in scored]).numpy() > 0
+    complete = np.array([f == "stop" for s in scored for f in s.batch.finish_reasons])
+    out = {}
+    for name, keep in (("complete", complete), ("all", np.ones_like(complete))):
+        sc, ok = scores[keep], correct[keep]
+        if not len(sc):
+            continue
+        out[name] = {"responses": int(len(sc)), "correct": int(ok.sum()), "auc": roc_auc(sc, ok),
+                     "sign_accuracy": float(((sc > 0) == ok).mean()), "base_rate": float(max(ok.mean(), 1 - ok.mean())),
+                     "mean_score_correct": float(sc[ok].mean()) if ok.any() else float("nan"),
+                     "mean_score_wrong": float(sc[~ok].mean()) if (~ok).any() else float("nan")}
+    return out
+
+
 # What the cached ORM depends on. It is shared by runs of every seed, so it samples with seed 0
 # whichever run trains it: the same ORM whatever order the runs come in.
-ORM_SETTINGS = ("orm_batches", "orm_steps", "orm_lr", "prompts_per_step", "samples_per_prompt",
+ORM_SETTINGS = ("orm_batches", "orm_steps", "orm_lr", "orm_loss", "prompts_per_step", "samples_per_prompt",
                 "max_new_tokens", "temperature", "top_p", "truncation_reward", "model", "data",
                 "task_train_size", "task_difficulty", "max_prompt_tokens", "eval_fraction")
 
 
 def orm_path(cfg) -> str:
     """Where the ORM of a run is cached: shared by every run of the built-in task (orm, or orm-long
-    for its long version; orm-long-k46-52 with --task-difficulty 46 52), one per run with --model."""
+    for its long version; orm-long-k46-52 with --task-difficulty 46 52; a -bt suffix for a Bradley-Terry
+    one), one per run with --model."""
+    loss = "-bt" if cfg.orm_loss == "bradley-terry" else ""
     if cfg.model is not None:
-        return os.path.join(cfg.out_dir, "_shared", f"orm-{cfg.run_name}")
+        return os.path.join(cfg.out_dir, "_shared", f"orm{loss}-{cfg.run_name}")
     name = "orm" if cfg.task_length == "short" else f"orm-{cfg.task_length}"
     if cfg.task_difficulty is not None:  # its own problems: beside the task length's ORM, not in its place
         name += "-k{}-{}".format(*cfg.task_difficulty)
-    return os.path.join(cfg.out_dir, "_shared", name)
+    return os.path.join(cfg.out_dir, "_shared", name + loss)
 
 
 def orm_settings(cfg) -> dict:
@@ -165,29 +237,36 @@ def check_orm(cfg) -> None:
         check_stage(path, orm_settings(cfg), remedy="delete it to train a new one")
 
 
+ORM_HELDOUT_BATCHES = 2  # fresh pi_SFT batches, not trained on, that judge the ORM (quality.json)
+
+
 def prepare_orm(cfg, sft_path: str, sampler: Sampler, records: list[dict]) -> str:
     """The ORM that plain PPO's critic starts from (`--critic-init rm`), trained once on pi_SFT's
-    graded samples (a cached stage, `rundir.build_once`, which checks a cached one's settings); its path."""
+    graded samples (a cached stage, `rundir.build_once`, which checks a cached one's settings); its path.
+    Beside the model, quality.json: its AUC and sign accuracy on ORM_HELDOUT_BATCHES fresh batches
+    (rank 0's share under torchrun)."""
     path = orm_path(cfg)
 
     def build(staging: str) -> None:
         orm_cfg = dataclasses.replace(cfg, seed=0)
-        batches, outcomes = [], []
-        for i in tqdm(range(cfg.orm_batches), desc="ORM data", dynamic_ncols=True, leave=False):
-            prompts = sample_prompts(records, orm_cfg, i, stream="orm")
-            scored = sampler.sample_and_score(prompts, stream_seed(0, "orm/sampling", i))
-            batches.append(scored.batch)
-            outcomes.append(scored.outcomes)
+        draw = lambda stream, i: sampler.sample_and_score(  # noqa: E731
+            sample_prompts(records, orm_cfg, i, stream=stream), stream_seed(0, f"{stream}/sampling", i))
+        scored = [draw("orm", i) for i in tqdm(range(cfg.orm_batches), desc="ORM data", dynamic_ncols=True, leave=False)]
         # Sharded under torchrun like the critic, each rank training on its own samples, on the
         # device the engine put them on.
-        model = load_value_model(sft_path, seed=stream_seed(0, "orm/head", 0), device=batches[0].device,
+        model = load_value_model(sft_path, seed=stream_seed(0, "orm/head", 0), device=scored[0].batch.device,
                                  **shard_options(cfg))
-        history = train_orm(model, batches, outcomes, steps=cfg.orm_steps, lr=cfg.orm_lr)
+        history = train_orm(model, [s.batch for s in scored], [s.outcomes for s in scored], steps=cfg.orm_steps,
+                            lr=cfg.orm_lr, loss=cfg.orm_loss, group=cfg.samples_per_prompt)
         export_hf_checkpoint(model, sampler.tokenizer, staging)  # streamed from the shards: collective
-        last = history[-1]
+        quality = orm_quality(model, [draw("orm-heldout", i) for i in range(ORM_HELDOUT_BATCHES)])
         if is_main():
-            tqdm.write(f"ORM: {cfg.orm_steps} steps on {sum(map(len, batches)) * world_size()} graded samples, "
-                       f"loss {last['orm/loss']:.3f}, sign accuracy {last['orm/sign_accuracy']:.2f} -> {path}")
+            with open(os.path.join(staging, "quality.json"), "w") as f:
+                json.dump({"loss": cfg.orm_loss, "final_step": history[-1], **quality}, f, indent=1)
+            held_out = quality.get("all", {})
+            tqdm.write(f"ORM ({cfg.orm_loss}): {cfg.orm_steps} steps on {sum(len(s.batch) for s in scored) * world_size()} "
+                       f"graded samples, loss {history[-1]['orm/loss']:.3f}; held-out AUC "
+                       f"{held_out.get('auc', float('nan')):.3f} on {held_out.get('responses', 0)} responses -> {path}")
 
     build_once(path, orm_settings(cfg), build, remedy="delete it to train a new one")
     return path

@@ -32,7 +32,7 @@ from config import Config, ConfigError, launch_world_size, parse_config
 from critic import check_orm, critic_loss, load_value_model, prepare_orm, response_values
 from data import DataError, prepare_data, sample_prompts, stream_seed
 from evaluate import evaluate, evaluate_once
-from gae import decoupled_gae, grpo_advantages, length_adaptive_lambda
+from gae import compute_gae, decoupled_gae, grpo_advantages, length_adaptive_lambda
 from ppo import aggregate_loss, assert_finite, check_masked_inputs, entropy_from_logits, explained_variance
 from ppo import kl_penalty, masked_mean, masked_whiten, micro_batched_forward, policy_loss, response_logprobs
 from ppo import token_logprobs_and_entropy, update_model
@@ -140,7 +140,7 @@ def ppo_step(cfg, step: int, sampler: Sampler, records: list[dict], models: dict
             clipped_critic_loss = functools.partial(critic_loss, clip=cfg.value_clip)
             metrics |= update_model(cfg, critic, optimizers["critic"], batch, per_token, clipped_critic_loss,
                                     seed=shuffle, prefix="critic")
-    return metrics | rollout_metrics(scored, per_token, advantages, scored.seconds | timings)
+    return metrics | rollout_metrics(scored, per_token, advantages, scored.seconds | timings, cfg.gamma)
 
 
 def old_outputs(cfg, batch, actor, critic, reference) -> dict:
@@ -165,15 +165,31 @@ def timed(timings: dict, name: str):
     timings[name] = time.perf_counter() - start
 
 
-def advantage_by_position(advantages, mask, bins: int = POSITION_BINS) -> list[float]:
-    """Mean advantage over tokens in each relative-position bin of their response (early -> late)."""
+def mean_by_position(x, mask, bins: int = POSITION_BINS) -> list[float]:
+    """Mean of `x` over tokens in each relative-position bin of their response (early -> late)."""
     lengths = mask.sum(-1, keepdim=True).clamp(min=1)
     position = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
     bin_of = (position * bins // lengths).clamp(max=bins - 1)
-    return [masked_mean(advantages, mask * (bin_of == b)).item() for b in range(bins)]
+    return [masked_mean(x, mask * (bin_of == b)).item() for b in range(bins)]
 
 
-def rollout_metrics(scored: ScoredBatch, per_token: dict, advantages, timings: dict) -> dict:
+def critic_error_metrics(scored: ScoredBatch, values, advantages, gamma: float) -> dict:
+    """How far the critic is from this batch's Monte-Carlo return G_t, and what that does to the
+    advantages (§3.1): the mean of V(s_t) - G_t over all response tokens and over each response's
+    first quarter (at step 0, the critic's initial error), and the mean advantage (before whitening)
+    of the last token, which alone sees r - V(s_{L-1}), against the rest."""
+    mask = scored.batch.response_mask
+    _, mc_return = compute_gae(scored.token_rewards, values, mask, gamma, lam=1.0)  # Eq. 7 at lambda = 1: G_t
+    last = torch.zeros_like(mask)
+    last[torch.arange(len(mask), device=mask.device), scored.batch.lengths - 1] = 1.0
+    error = values - mc_return
+    return {"critic/value_error/all": masked_mean(error, mask).item(),
+            "critic/value_error/first_quarter": mean_by_position(error, mask)[0],
+            "advantage/last_token": masked_mean(advantages, last).item(),
+            "advantage/other_tokens": masked_mean(advantages, mask - last).item()}
+
+
+def rollout_metrics(scored: ScoredBatch, per_token: dict, advantages, timings: dict, gamma: float) -> dict:
     """Lengths, outcomes, advantages (before whitening, which centres them), the critic's values
     before the update, and timings; reduced over ranks (update_model's metrics already are)."""
     batch, mask = scored.batch, scored.batch.response_mask
@@ -192,7 +208,8 @@ def rollout_metrics(scored: ScoredBatch, per_token: dict, advantages, timings: d
         values = per_token["old_values"]
         metrics |= {"critic/values_mean": masked_mean(values, mask).item(),
                     "critic/vf_explained_var": explained_variance(values, per_token["returns"], mask).item()}
-    metrics |= {f"advantage/pos_bin{b}": v for b, v in enumerate(advantage_by_position(advantages, mask))}
+        metrics |= critic_error_metrics(scored, values, advantages, gamma)
+    metrics |= {f"advantage/pos_bin{b}": v for b, v in enumerate(mean_by_position(advantages, mask))}
     metrics |= {f"time/{k}": v for k, v in timings.items()}
     metrics["time/step"] = sum(timings.values())
     metrics["perf/tokens_per_s"] = mask.sum().item() / metrics["time/step"]

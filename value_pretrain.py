@@ -21,7 +21,7 @@ import os
 import torch
 from tqdm import tqdm
 
-from critic import critic_loss, response_values
+from critic import critic_loss, response_values, shift_values
 from data import sample_prompts, stream_seed
 from fsdp_utils import is_main, reduce_metrics, world_size
 from checkpoints import export_hf_checkpoint, latest_checkpoint, load_checkpoint, remove_checkpoint, save_checkpoint
@@ -117,17 +117,19 @@ def pretrain_value(cfg, critic, critic_optimizer, sampler: Sampler, records: lis
 
 def prepare_value_critic(cfg, run_dir: str, init_path: str, sampler: Sampler, records: list[dict], load):
     """The critic PPO starts from, and the last row of its pretraining curve (None without
-    pretraining). `init_path`: pi_SFT (a fresh head) or the ORM; `load(path)` loads a critic onto
-    this rank's device (sharded under torchrun: `train.load_critic`). Pretraining is a stage shared by
+    pretraining). `init_path`: pi_SFT (a fresh head) or the ORM, shifted by --critic-init-offset before
+    any pretraining; `load(path)` loads a critic onto this rank's device (sharded under torchrun:
+    `train.load_critic`). Pretraining is a stage shared by
     the runs with the same `pretrain_settings` (<run_dir>/value_pretrain links to it,
     `rundir.build_shared`), resumable from its checkpoint."""
+    initial = lambda: shift_values(load(init_path), cfg.critic_init_offset)  # noqa: E731
     if cfg.value_pretrain_steps == 0:
-        return load(init_path), None
+        return initial(), None
     path, critic = os.path.join(run_dir, "value_pretrain"), None
 
     def build(staging: str) -> None:
         nonlocal critic
-        critic = load(init_path)
+        critic = initial()
         optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr, weight_decay=0.0)
         pretrain_value(cfg, critic, optimizer, sampler, records, staging)
 

@@ -143,37 +143,45 @@ def execute(run: Run) -> tuple[Run, float, int]:
 
 def run_grid(runs: list[Run], jobs: int, out_dir: str) -> tuple[float, list[Run]]:
     """Runs what is missing, `jobs` at a time; returns the wall time and the runs that failed. When the
-    shared pi_SFT (or ORM) is missing, one run builds it first; each other run starts as soon as the
-    shared stages it reads are built (pi_SFT, and the ORM for a critic from the ORM), or once the
-    builder has stopped."""
+    shared pi_SFT is missing, one run builds it first (a critic-from-ORM run, which builds its ORM
+    too); each missing ORM (MSE, Bradley-Terry) is built by the first run that reads it. Each other
+    run starts as soon as the shared stages it reads are built, or once their builders have stopped."""
     todo = [r for r in runs if not r.done]
     failed, start = [], time.time()
     if not todo:
         return 0.0, failed
-    needs_orm = any(r.config.critic_init == "rm" for r in todo)
-    sft_cache, orm_cache = Path(sft_cache_path(todo[0].config)), Path(orm_path(todo[0].config))
+    sft_cache = Path(sft_cache_path(todo[0].config))
+    orm_of = {id(r): Path(orm_path(r.config)) for r in todo if r.config.critic_init == "rm" and r.config.estimator == "gae"}
+    todo.sort(key=lambda r: id(r) not in orm_of)  # a critic-from-ORM run builds both caches
+    sft_builder = None if sft_cache.is_dir() else todo[0]
+    orm_builders = {}  # ORM path -> the run that builds it
+    for r in todo:
+        if id(r) in orm_of and not orm_of[id(r)].is_dir():
+            orm_builders.setdefault(orm_of[id(r)], r)
+    futures = {}  # id(run) -> its future
+    stopped = lambda run: run is None or (id(run) in futures and futures[id(run)].done())  # noqa: E731
+
+    def ready(run: Run) -> bool:  # build_once renames a finished stage into place, so a directory is whole
+        if run is sft_builder:
+            return True
+        if not (sft_cache.is_dir() or stopped(sft_builder)):
+            return False
+        orm = orm_of.get(id(run))
+        return orm is None or orm.is_dir() or orm_builders[orm] is run or stopped(orm_builders[orm])
+
     bar = tqdm(total=len(todo), desc="ablation runs", dynamic_ncols=True)
-
-    def built_for(run: Run) -> bool:  # build_once renames a finished stage into place, so a directory is whole
-        return sft_cache.is_dir() and (run.config.critic_init != "rm" or orm_cache.is_dir())
-
-    builder = None
-    if not sft_cache.is_dir() or (needs_orm and not orm_cache.is_dir()):
-        todo.sort(key=lambda r: r.config.critic_init != "rm")  # a critic-from-ORM run builds both caches
-        builder = todo.pop(0)
-        bar.set_postfix_str(f"{builder.dir.name} builds the shared pi_SFT and ORM")
+    if sft_builder is not None:
+        bar.set_postfix_str(f"{sft_builder.dir.name} builds the shared pi_SFT")
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        futures = [] if builder is None else [pool.submit(execute, builder)]  # queued first: starts first
         waiting = todo
         while waiting:
-            builder_stopped = builder is None or futures[0].done()
-            ready = [r for r in waiting if builder_stopped or built_for(r)]
-            futures += [pool.submit(execute, r) for r in ready]
-            waiting = [r for r in waiting if r not in ready]
+            ready_now = [r for r in waiting if ready(r)]  # queued in order: a builder first
+            futures |= {id(r): pool.submit(execute, r) for r in ready_now}
+            waiting = [r for r in waiting if r not in ready_now]
             if waiting:
                 time.sleep(CACHE_POLL_S)
         bar.set_postfix_str("")
-        for future in as_completed(futures):
+        for future in as_completed(futures.values()):
             run, wall, code = future.result()
             failed.extend([run] if code else [])
             bar.update()

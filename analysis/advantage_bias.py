@@ -34,7 +34,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import rundir
 from analysis import run_cli
 from config import parse_config
-from critic import check_orm, load_value_model, orm_path, orm_scores, prepare_orm, response_values
+from critic import check_orm, load_value_model, orm_path, orm_quality, prepare_orm, response_values
 from data import prepare_data, sample_prompts, stream_seed
 from fsdp_utils import local_device
 from gae import compute_gae
@@ -171,33 +171,6 @@ def box_alignment(rollouts, values: list, starts: list[list[int]], before: int =
     se = lambda x: float(np.std(x, ddof=1) / np.sqrt(len(x))) if len(x) > 1 else float("nan")  # noqa: E731
     return {"responses": len(jump), "value_before": float(np.mean(pre)), "value_at_open": float(np.mean(at)),
             "value_after_open": float(np.mean(inside)), "jump": float(np.mean(jump)), "jump_se": se(jump)}
-
-
-def roc_auc(scores: np.ndarray, positive: np.ndarray) -> float:
-    """P(a positive scores above a negative), ties counting half: the ROC AUC (NaN without both classes)."""
-    pos, neg = scores[positive], scores[~positive]
-    if not len(pos) or not len(neg):
-        return float("nan")
-    return float((pos[:, None] > neg[None, :]).mean() + 0.5 * (pos[:, None] == neg[None, :]).mean())
-
-
-def orm_quality(model, rollouts) -> dict:
-    """The ORM judged as a reward model (what it was trained for): its score at the last token of each
-    response against the verified outcome, on complete responses (ended with EOS) and on all of them.
-    Sign accuracy is set beside the base rate, the accuracy of always answering the majority outcome."""
-    scores = torch.cat([orm_scores(model, s.batch) for s in rollouts]).numpy()
-    correct = torch.cat([s.outcomes for s in rollouts]).numpy() > 0
-    complete = np.array([f == "stop" for s in rollouts for f in s.batch.finish_reasons])
-    out = {}
-    for name, keep in (("complete", complete), ("all", np.ones_like(complete))):
-        sc, ok = scores[keep], correct[keep]
-        if not len(sc):
-            continue
-        out[name] = {"responses": int(len(sc)), "correct": int(ok.sum()), "auc": roc_auc(sc, ok),
-                     "sign_accuracy": float(((sc > 0) == ok).mean()), "base_rate": float(max(ok.mean(), 1 - ok.mean())),
-                     "mean_score_correct": float(sc[ok].mean()) if ok.any() else float("nan"),
-                     "mean_score_wrong": float(sc[~ok].mean()) if (~ok).any() else float("nan")}
-    return out
 
 
 def position_sums(rollouts, critic, lambdas, gamma, width: int, bin_size: int) -> dict:

@@ -1,35 +1,43 @@
-"""The collapse of paper Fig. 1 on the long built-in task: plain PPO against VC-PPO, one seed.
+"""Fig. 1 by intervention (paper §3.1): set the critic's initial error by hand, and watch the
+collapse follow its sign.
 
-The paper (§3.1) sees plain PPO's response length fall sharply early in training, and accuracy
-with it, while VC-PPO keeps both. This script runs the two with the same seed on the long task
-(`train.py --preset tiny-long`: ~520-token responses, 26 GAE horizons at lambda 0.95, and a
-limit that cuts pi_SFT's longest responses):
+The paper's causal story: a critic that scores prefixes too low gives early tokens a positive
+advantage bias, and with lambda < 1 the terminal reward reaches them too weakly (reward signal
+decay) to correct it, so the policy learns to stop early: length and accuracy fall. This script
+tests that story on the built-in task by setting the critic's initial error with
+`train.py --critic-init-offset C` (added to a fresh value head's bias: every V(s_t) starts at ~C,
+while pi_SFT's returns average about -0.6 and never go below -1), everything else the paper's:
 
-| run | train.py flags |
+| arm | train.py flags (after those for every run) |
 |---|---|
-| ppo | `--critic-init rm --value-pretrain-steps 0 --lam-critic 0.95`: critic from the outcome RM |
-| vc-ppo | train.py's defaults: value pretraining (§3.2), lambda 0.95 / 1.0 (§3.3) |
+| ppo | plain PPO: `--critic-init sft --value-pretrain-steps 0 --lam-critic 0.95 --critic-init-offset C` |
+| ppo-offset<c> | the same at each offset of the dose-response, -3 -2 -1 0 +1 (`dose` selects them all) |
+| decoupled-gae | ppo with `--lam-critic 1.0`: §3.3 alone |
+| value-pretrain | ppo with value pretraining (train.py's 20 steps, from the offset critic): §3.2 alone |
+| vc-ppo | both (train.py's defaults), from the offset critic |
+| ppo-orm | plain PPO from the MSE outcome reward model (`--critic-init rm`), this task's own bias |
+| ppo-bt | plain PPO from a Bradley-Terry reward model (`--orm-loss bradley-terry`) |
+| grpo | no critic (`--estimator grpo`): the reference |
 
-and prints, as its last line,
+For each run it reads metrics.jsonl and summary.json and reports: the measured initial error
+(the mean of V(s_t) - G_t over the first batch's response tokens, `critic/value_error/all`); the
+length ratio (lowest 5-step moving average of the batch-mean length over the first step's); the
+accuracy ratio (lowest 5-step moving average of training accuracy over pi_SFT's held-out pass@1);
+the recovery (steps from the trough of that moving average back to 0.9 of the first step's
+length); Fig. 2 from the same runs (each critic's mean advantage over each quarter of the first
+batch's responses, before whitening); and held-out pass@1 after PPO. With several seeds, mean ±
+std. It writes collapse.png (length and training accuracy by step, the dose-response, Fig. 2),
+collapse.md and collapse.json to --out, and prints as its last line
 
-    collapse ppo_length_ratio=<x> vcppo_length_ratio=<y> ppo_final_acc=<a> vcppo_final_acc=<b> sft_acc=<c>
+    collapse offset=<C> ppo_length_ratio=<x> vcppo_length_ratio=<y> ppo_acc_ratio=<p> vcppo_acc_ratio=<q> ppo_final_acc=<a> vcppo_final_acc=<b> sft_acc=<c>
 
-where a length ratio is the lowest 5-step moving average of the batch-mean response length over
-the first step's batch mean (a collapse shows as a ratio well below 1), the accuracies are
-held-out pass@1 after PPO, and sft_acc is pi_SFT's on the same problems. Before it comes Fig. 2
-on the same setting (analysis/advantage_bias.py on fresh pi_SFT responses): the mean advantage at
-lambda 0.95 over the first quarter of each response under the ORM critic and under this seed's
-value-pretrained one, with the ORM's quality as a reward model beside it:
+(means over the seeds). pi_SFT and the reward models are shared (<out-dir>/_shared); a finished run
+is read, not rerun, and a stopped one resumes. Flags after `--` go to every train.py run.
 
-    fig2 orm_first_quarter=<m> (<z> SE) pretrained_first_quarter=<m> (<z> SE) orm_auc=<a> orm_sign_acc=<s> base_rate=<b>
-
-The runs are the
-ablation grid's `ppo` and `vc-ppo` cells (analysis/ablation.py runs, resumes and reads them), so
-`ablation.py --out-dir runs/long -- --preset tiny-long` reuses them. Flags after `--` go to both
-train.py runs, after the preset.
-
-    python analysis/collapse.py --seed 0 --steps 100       # runs/long/ablation__{ppo,vc-ppo}__seed0
-    python analysis/collapse.py --seed 1 --steps 100 --out results/collapse
+    python analysis/collapse.py                                   # all arms, seed 0, the tiny preset
+    python analysis/collapse.py --seeds 0 1 2 --out results/collapse
+    python analysis/collapse.py --arms ppo vc-ppo --offset -3
+    python analysis/collapse.py --arms ppo decoupled-gae -- --preset tiny-long   # reward signal decay, long task
 """
 import json
 from dataclasses import dataclass
@@ -41,164 +49,308 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 
-from analysis import ablation, advantage_bias
+from analysis import ablation, run_cli
+from config import parse_config
 
-RUNS = ("ppo", "vc-ppo")
-WINDOW = 5  # steps of the moving average in the length ratio
-FIG2_LAMBDA = 0.95  # plain PPO's lambda, the paper's Fig. 2
+OFFSETS = (-3.0, -2.0, -1.0, 0.0, 1.0)  # the dose-response
+WINDOW = 5  # steps of the moving averages
+RECOVERED = 0.9  # share of the first step's length that counts as recovered
+PLAIN = ["--critic-init", "sft", "--value-pretrain-steps", "0", "--lam-critic", "0.95"]
+ARMS = ("ppo", "decoupled-gae", "value-pretrain", "vc-ppo", "grpo", "ppo-orm", "ppo-bt", "dose")
+FAMILY = ("ppo", "decoupled-gae", "value-pretrain", "vc-ppo", "grpo")  # the first two panels
+FIG2 = ("ppo", "ppo-orm", "ppo-bt", "vc-ppo")  # critics whose step-0 advantages the fourth panel draws
 
 
 @dataclass
 class Args:
-    seed: int = 0
-    """seed of both runs (prompts, samples, mini-batch order; pi_SFT and the ORM are shared)"""
-    steps: int = 100
+    offset: float = -2.0
+    """critic's initial offset of the ppo, decoupled-gae, value-pretrain and vc-ppo arms"""
+    arms: tuple[str, ...] = ARMS
+    """arms to run or read (see the table above; `dose` = ppo at every offset of -3 -2 -1 0 +1)"""
+    seeds: tuple[int, ...] = (0,)
+    """seeds of every arm"""
+    steps: int = 30
     """PPO steps of each run"""
-    out: Path = Path("runs/analysis")
-    """folder that receives collapse_seed<seed>.png, .md and .json"""
-    out_dir: str = "runs/long"
-    """train.py's --out-dir for the two runs (its _shared/ holds the long task's pi_SFT and ORM)"""
+    out: Path = Path("runs/analysis/collapse")
+    """folder that receives collapse.png, collapse.md and collapse.json"""
+    out_dir: str = "runs/collapse"
+    """train.py's --out-dir for the runs (its _shared/ holds pi_SFT and the reward models)"""
     jobs: int = 2
     """train.py processes at once (each uses --threads torch threads)"""
     read_only: bool = False
     """only read finished runs; never start train.py"""
-    fig2_rollouts: int = 128
-    """pi_SFT responses that Fig. 2 reads (advantage_bias.py, written to <out>/fig2_seed<seed>/); 0: skip it"""
+
+
+def offset_name(offset: float) -> str:
+    return f"ppo-offset{offset:+g}"
+
+
+def arm_flags(offset: float) -> dict[str, tuple[list[str], float | None]]:
+    """Arm -> (its train.py flags, the critic offset it starts from; None: no offset set)."""
+    at = lambda c: ["--critic-init-offset", str(c)]  # noqa: E731
+    arms = {
+        "ppo": ([*PLAIN, *at(offset)], offset),
+        "decoupled-gae": ([*PLAIN, *at(offset), "--lam-critic", "1.0"], offset),
+        "value-pretrain": (["--critic-init", "sft", "--lam-critic", "0.95", *at(offset)], offset),
+        "vc-ppo": (["--critic-init", "sft", "--lam-critic", "1.0", *at(offset)], offset),
+        "grpo": (["--estimator", "grpo"], None),
+        "ppo-orm": (["--critic-init", "rm", "--value-pretrain-steps", "0", "--lam-critic", "0.95"], None),
+        "ppo-bt": (["--critic-init", "rm", "--value-pretrain-steps", "0", "--lam-critic", "0.95",
+                    "--orm-loss", "bradley-terry"], None),
+    }
+    return arms | {offset_name(c): ([*PLAIN, *at(c)], c) for c in OFFSETS if c != offset}
+
+
+def chosen_arms(args: Args) -> list[str]:
+    unknown = [a for a in args.arms if a not in ARMS]
+    if unknown:
+        raise ValueError(f"unknown arm(s) {unknown}; choose from {list(ARMS)}")
+    names = [a for a in args.arms if a != "dose"]
+    if "dose" in args.arms:
+        names += [n for n in ["ppo", *(offset_name(c) for c in OFFSETS if c != args.offset)] if n not in names]
+    return names
+
+
+def plan(args: Args, train_flags: list[str]) -> dict[str, list[ablation.Run]]:
+    """Arm -> its Run per seed. A run's name carries its offset, so runs at other offsets never mix."""
+    flags_of, runs = arm_flags(args.offset), {}
+    for arm in chosen_arms(args):
+        flags, offset = flags_of[arm]
+        kind = "ppo" if arm.startswith("ppo-offset") else arm
+        tag = "" if offset is None else f"__offset{offset:+g}"
+        for seed in args.seeds:
+            argv = ["--out-dir", args.out_dir, "--run-name", f"collapse__{kind}{tag}__seed{seed}", "--seed", str(seed),
+                    "--steps", str(args.steps), *train_flags, *flags]
+            runs.setdefault(arm, []).append(ablation.Run(arm, seed, argv, parse_config(argv)))
+    return runs
+
+
+def moving_average(x: list[float], window: int = WINDOW) -> np.ndarray:
+    """Means over `window` consecutive steps (fewer if the run is shorter)."""
+    if not x:
+        raise ValueError("moving_average: no PPO steps")
+    w = min(window, len(x))
+    return np.convolve(np.asarray(x, dtype=float), np.ones(w) / w, mode="valid")
 
 
 def length_ratio(lengths: list[float], window: int = WINDOW) -> float:
-    """Lowest moving average (over `window` steps, fewer if the run is shorter) of the batch-mean
-    response length, over the first step's batch mean."""
-    if not lengths:
-        raise ValueError("length_ratio: no PPO steps")
-    w = min(window, len(lengths))
-    moving = np.convolve(np.asarray(lengths, dtype=float), np.ones(w) / w, mode="valid")
-    return float(moving.min() / lengths[0])
+    """Lowest moving average of the batch-mean response length over the first step's batch mean."""
+    return float(moving_average(lengths, window).min() / lengths[0])
 
 
-def measure(loaded: dict) -> dict:
-    """The summary line's numbers, and the curves and first-step critic numbers behind them."""
-    out = {"sft_acc": loaded["ppo"]["summary"]["sft"]["pass@1"], "runs": {}}
-    for name in RUNS:
-        rows, summary = loaded[name]["metrics"], loaded[name]["summary"]
-        lengths = [r["response_length/mean"] for r in rows]
-        out["runs"][name] = {
-            "length_ratio": length_ratio(lengths), "final_acc": summary["ppo"]["pass@1"],
-            "sft_acc": summary["sft"]["pass@1"], "final_mean_length": summary["ppo"]["mean_length"],
-            "final_truncated": summary["ppo"].get("truncated"), "steps": len(rows), "wall_s": loaded[name]["wall_s"],
-            # Fig. 2 on the first PPO batch: mean advantage (before whitening) over each quarter of the responses.
-            "first_step_advantage_by_quarter": [rows[0].get(f"advantage/pos_bin{b}") for b in range(4)],
-            "first_step_critic_ev": rows[0].get("critic/vf_explained_var"),
-            "curves": {key: [r[key] for r in rows] for key in
-                       ("response_length/mean", "response_length/truncated_frac", "reward/accuracy")},
-        }
+def recovery_steps(lengths: list[float], window: int = WINDOW) -> int | None:
+    """Steps from the trough of the moving average of the length back to RECOVERED x the first
+    step's length: 0 if it never fell below that, None if it did not come back within the run."""
+    moving, target = moving_average(lengths, window), RECOVERED * lengths[0]
+    trough = int(moving.argmin())
+    if moving[trough] >= target:
+        return 0
+    back = np.nonzero(moving[trough:] >= target)[0]
+    return int(back[0]) if len(back) else None
+
+
+def measure_run(loaded: dict) -> dict:
+    rows, summary = loaded["metrics"], loaded["summary"]
+    lengths, accuracy = [r["response_length/mean"] for r in rows], [r["reward/accuracy"] for r in rows]
+    first, sft_acc = rows[0], summary["sft"]["pass@1"]
+    return {
+        "seed": loaded["seed"], "steps": len(rows), "wall_s": loaded["wall_s"],
+        "initial_error": first.get("critic/value_error/all"),
+        "initial_error_first_quarter": first.get("critic/value_error/first_quarter"),
+        "first_step_advantage_by_quarter": [first[f"advantage/pos_bin{b}"] for b in range(4)],
+        "first_step_advantage_last_token": first.get("advantage/last_token"),
+        "first_step_advantage_other_tokens": first.get("advantage/other_tokens"),
+        "length_ratio": length_ratio(lengths),
+        # pi_SFT's held-out pass@1 is the level the policy starts at (training accuracy is noisier)
+        "acc_ratio": float(moving_average(accuracy).min() / sft_acc) if sft_acc > 0 else float("nan"),
+        "recovery_steps": recovery_steps(lengths),
+        "final_acc": summary["ppo"]["pass@1"], "sft_acc": sft_acc,
+        "curves": {"response_length/mean": lengths, "reward/accuracy": accuracy},
+    }
+
+
+def reward_model_quality(runs: dict[str, list[ablation.Run]]) -> dict:
+    """The held-out AUC and sign accuracy that prepare_orm left beside each reward model (quality.json)."""
+    from critic import orm_path
+
+    out = {}
+    for arm in ("ppo-orm", "ppo-bt"):
+        if arm in runs:
+            q = Path(orm_path(runs[arm][0].config)) / "quality.json"
+            if q.is_file():
+                out[arm] = json.loads(q.read_text())
     return out
 
 
-def fig2(args: Args, vc_ppo: ablation.Run) -> dict:
-    """Fig. 2 on the runs' setting: the ORM and this seed's value-pretrained critic on fresh pi_SFT
-    responses (advantage_bias.main with the VC-PPO run's own flags, which name and check its critic;
-    it also judges the ORM as a reward model)."""
-    bias_args = advantage_bias.Args(out=args.out / f"fig2_seed{args.seed}", rollouts=args.fig2_rollouts, seed=args.seed,
-                                    lambdas=(FIG2_LAMBDA, 1.0))
-    r = advantage_bias.main(bias_args, vc_ppo.flags)
-    quarter = {name: dict(zip(("mean", "se"), fq[FIG2_LAMBDA])) for name, fq in r.first_quarter.items()}
-    return {"first_quarter_advantage": quarter, "orm_quality": r.orm_quality.get("complete"),
-            "rollouts": r.rollout, "dir": str(bias_args.out)}
+def stat(values: list) -> tuple[float, float]:
+    """Mean and sample std over seeds, NaN for what is missing (std NaN with one seed)."""
+    v = np.array([np.nan if x is None else x for x in values], dtype=float)
+    if not len(v) or np.isnan(v).all():
+        return float("nan"), float("nan")
+    return float(np.nanmean(v)), float(np.nanstd(v, ddof=1)) if np.sum(~np.isnan(v)) > 1 else float("nan")
 
 
-def fig2_line(f: dict) -> str:
-    def quarter(name):
-        q = f["first_quarter_advantage"].get(name)
-        if q is None:
-            return "n/a"
-        return f"{q['mean']:+.3f} ({q['mean'] / q['se'] if q['se'] else float('nan'):+.1f} SE)"
+def goals(m: dict, offset: float) -> list[str]:
+    """The issue's goal, checked seed by seed (the table says each number)."""
+    runs, lines = m["runs"], []
+    if "ppo" in runs:
+        ok = [r["length_ratio"] <= 0.6 and r["acc_ratio"] <= 0.5 for r in runs["ppo"]]
+        lines.append(f"plain PPO at offset {offset:+g} collapses (length ratio <= 0.6 and accuracy ratio <= 0.5): "
+                     f"{sum(ok)} of {len(ok)} seeds")
+    if "vc-ppo" in runs:
+        ok = [r["length_ratio"] >= 0.85 and r["acc_ratio"] >= 0.8 and r["final_acc"] >= r["sft_acc"]
+              for r in runs["vc-ppo"]]
+        lines.append(f"VC-PPO from the same offset holds (length ratio >= 0.85, accuracy ratio >= 0.8, final pass@1 >= "
+                     f"pi_SFT's): {sum(ok)} of {len(ok)} seeds")
+    dose = sorted((a for a in runs if a == "ppo" or a.startswith("ppo-offset")), key=lambda a: m["offsets"][a])
+    if len(dose) > 1:
+        for i, seed in enumerate(m["seeds"]):
+            ratios = [runs[a][i]["length_ratio"] for a in dose]
+            rising = all(a <= b for a, b in zip(ratios, ratios[1:]))
+            offsets = " ".join(f"{m['offsets'][a]:+g}" for a in dose)
+            lines.append(f"seed {seed}: length ratio by offset {offsets}: "
+                         f"{' '.join(f'{x:.2f}' for x in ratios)} ({'rises' if rising else 'does NOT rise'} with the offset)")
+    return lines
 
-    q = f["orm_quality"] or {}
-    return (f"fig2 orm_first_quarter={quarter('orm')} pretrained_first_quarter={quarter('pretrained')} "
-            f"orm_auc={q.get('auc', float('nan')):.3f} orm_sign_acc={q.get('sign_accuracy', float('nan')):.3f} "
-            f"base_rate={q.get('base_rate', float('nan')):.3f}")
+
+def measure(runs: dict[str, list[ablation.Run]], offset: float) -> dict:
+    m = {"offset": offset, "seeds": [r.seed for r in next(iter(runs.values()))],
+         "offsets": {arm: arm_flags(offset)[arm][1] for arm in runs},
+         "runs": {arm: [measure_run(ablation.load(r)) for r in rs] for arm, rs in runs.items()},
+         "reward_models": reward_model_quality(runs)}
+    m["sft_acc"] = stat([r["sft_acc"] for r in next(iter(m["runs"].values()))])[0]  # one pi_SFT score per seed
+    m["goals"] = goals(m, offset)
+    return m
 
 
 def summary_line(m: dict) -> str:
-    ppo, vc = m["runs"]["ppo"], m["runs"]["vc-ppo"]
-    return (f"collapse ppo_length_ratio={ppo['length_ratio']:.3f} vcppo_length_ratio={vc['length_ratio']:.3f} "
-            f"ppo_final_acc={ppo['final_acc']:.3f} vcppo_final_acc={vc['final_acc']:.3f} sft_acc={m['sft_acc']:.3f}")
+    def mean(arm, key):
+        return f"{stat([r[key] for r in m['runs'][arm]])[0]:.3f}" if arm in m["runs"] else "n/a"
+
+    return (f"collapse offset={m['offset']:+g} ppo_length_ratio={mean('ppo', 'length_ratio')} "
+            f"vcppo_length_ratio={mean('vc-ppo', 'length_ratio')} ppo_acc_ratio={mean('ppo', 'acc_ratio')} "
+            f"vcppo_acc_ratio={mean('vc-ppo', 'acc_ratio')} ppo_final_acc={mean('ppo', 'final_acc')} "
+            f"vcppo_final_acc={mean('vc-ppo', 'final_acc')} sft_acc={m['sft_acc']:.3f}")
 
 
-def plot(m: dict, seed: int, path: Path) -> None:
-    keys = (("response_length/mean", "mean response length (tokens)"),
-            ("response_length/truncated_frac", "share truncated (scored -1)"), ("reward/accuracy", "training accuracy"))
-    fig, axes = plt.subplots(1, len(keys), figsize=(15, 4))
-    for ax, (key, label) in zip(axes, keys):
-        for name in RUNS:
-            ax.plot(m["runs"][name]["curves"][key], label=name)
-        ax.set(xlabel="PPO step", ylabel=label)
+def label(m: dict, arm: str) -> str:
+    offset = m["offsets"].get(arm)
+    return arm if offset is None or arm.startswith("ppo-offset") else f"{arm} (offset {offset:+g})"
+
+
+def plot(m: dict, path: Path) -> None:
+    fig, axes = plt.subplots(1, 4, figsize=(22, 4.6))
+    for ax, key, name in ((axes[0], "response_length/mean", "batch-mean response length"),
+                          (axes[1], "reward/accuracy", "training accuracy")):
+        for arm in (a for a in FAMILY if a in m["runs"]):
+            y = np.array([r["curves"][key] for r in m["runs"][arm]], dtype=float)
+            (line,) = ax.plot(y.mean(0), label=f"{label(m, arm)} (n={len(y)})")
+            if len(y) > 1:
+                std = y.std(0, ddof=1)
+                ax.fill_between(np.arange(y.shape[1]), y.mean(0) - std, y.mean(0) + std, alpha=0.15,
+                                color=line.get_color())
+        ax.set(xlabel="PPO step", ylabel=name)
         ax.grid(alpha=0.3)
-    axes[0].legend()
-    fig.suptitle(f"Fig. 1 on the long built-in task, seed {seed}; held-out pass@1: pi_SFT {m['sft_acc']:.3f}, "
-                 f"ppo {m['runs']['ppo']['final_acc']:.3f}, vc-ppo {m['runs']['vc-ppo']['final_acc']:.3f}")
+    axes[1].axhline(m["sft_acc"], color="grey", ls=":", label="pi_SFT held-out pass@1")
+    axes[0].legend(fontsize=7)
+    axes[1].legend(fontsize=7)
+    ax = axes[2]  # the dose-response: one point per arm and seed
+    for arm, rows in m["runs"].items():
+        if arm == "grpo":
+            ax.axhline(stat([r["length_ratio"] for r in rows])[0], color="grey", ls="--", label="grpo (no critic)")
+            continue
+        ax.scatter([r["initial_error"] for r in rows], [r["length_ratio"] for r in rows], label=label(m, arm), s=25)
+    ax.axvline(0, color="black", lw=0.5)
+    ax.set(xlabel="measured initial error: mean V(s_t) - G_t, step 0", ylabel="length ratio (lowest 5-step mean / first)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6)
+    ax = axes[3]  # Fig. 2 from the same runs
+    for arm in (a for a in FIG2 if a in m["runs"]):
+        q = np.array([r["first_step_advantage_by_quarter"] for r in m["runs"][arm]], dtype=float)
+        ax.errorbar(np.arange(4) + 1, q.mean(0), yerr=q.std(0, ddof=1) if len(q) > 1 else None, marker="o",
+                    capsize=3, label=label(m, arm))
+    ax.axhline(0, color="black", lw=0.5)
+    ax.set(xlabel="quarter of the response (early -> late)", ylabel="mean advantage at step 0 (lambda 0.95)",
+           xticks=[1, 2, 3, 4])
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.suptitle(f"Fig. 1 by intervention: the critic's initial offset set by hand (seeds {m['seeds']}; "
+                 f"pi_SFT held-out pass@1 {m['sft_acc']:.3f})")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def markdown(m: dict, seed: int, run_dirs: list[str]) -> str:
-    def f(x, digits=3):
-        return "-" if x is None else f"{x:+.{digits}f}"
+def markdown(m: dict, runs: dict[str, list[ablation.Run]]) -> str:
+    def pm(arm, key, digits=3, signed=False):
+        mean, std = stat([r[key] for r in m["runs"][arm]])
+        if np.isnan(mean):
+            return "-"
+        text = f"{mean:+.{digits}f}" if signed else f"{mean:.{digits}f}"
+        return text + (f" ± {std:.{digits}f}" if np.isfinite(std) else "")
 
-    lines = [f"# Plain PPO against VC-PPO on the long built-in task, seed {seed} (paper Fig. 1)", "",
-             f"Length ratio: lowest {WINDOW}-step moving average of the batch-mean response length over the first "
-             f"step's. Accuracies: held-out pass@1 (pi_SFT: {m['sft_acc']:.3f}). First-step advantage: mean advantage "
-             "(before whitening) over each quarter of the first batch's responses, early to late (Fig. 2).", "",
-             "| run | steps | length ratio | first -> last batch length | final pass@1 | final mean length "
-             "| first-step advantage by quarter | critic EV, step 0 | wall time |", "|---|---|---|---|---|---|---|---|---|"]
-    for name in RUNS:
-        r = m["runs"][name]
-        lengths = r["curves"]["response_length/mean"]
-        wall = "-" if r["wall_s"] is None else f"{r['wall_s']:.0f} s"
-        lines.append(f"| {name} | {r['steps']} | {r['length_ratio']:.3f} | {lengths[0]:.0f} -> {lengths[-1]:.0f} | "
-                     f"{r['final_acc']:.3f} | {r['final_mean_length']:.0f} | "
-                     f"{' / '.join(f(a) for a in r['first_step_advantage_by_quarter'])} | "
-                     f"{f(r['first_step_critic_ev'], 2)} | {wall} |")
-    if "fig2" in m:
-        f = m["fig2"]
-        lines += ["", f"Fig. 2 on the same setting ({f['rollouts']['responses']} fresh pi_SFT responses, mean length "
-                  f"{f['rollouts']['mean_length']:.0f}, accuracy {f['rollouts']['accuracy']:.3f}; {f['dir']}): mean "
-                  f"advantage at lambda {FIG2_LAMBDA} over the first quarter of each response (mean / SE over responses) "
-                  "under the ORM critic and this seed's value-pretrained one, and the ORM as a reward model on the "
-                  "complete responses (AUC, sign accuracy, and the base rate that always answering the majority "
-                  "outcome gets):", "", fig2_line(f)]
-    lines += ["", "Runs: " + ", ".join(run_dirs), "", summary_line(m), ""]
+    def recovery(arm):
+        steps = [r["recovery_steps"] for r in m["runs"][arm]]
+        return ", ".join("-" if s is None else str(s) for s in steps)
+
+    lines = ["# Fig. 1 by intervention on the built-in task: the critic's initial error set by hand", "",
+             f"Seeds {m['seeds']}, mean ± std over seeds. Initial error: mean V(s_t) - G_t over the first batch's "
+             f"tokens (all / first quarter). Advantage at step 0: mean (before whitening) over the last token "
+             f"and over the others. Length ratio: lowest {WINDOW}-step mean of the batch-mean length over the first "
+             f"step's; accuracy ratio: lowest {WINDOW}-step mean of training accuracy over pi_SFT's held-out pass@1 "
+             f"({m['sft_acc']:.3f}). Recovery: steps from the trough back to {RECOVERED} of the first length, per "
+             f"seed (0: never fell below it; -: not within the run).", "",
+             "| arm | initial error (all) | (first quarter) | step-0 advantage, last token | (other tokens) "
+             "| length ratio | accuracy ratio | recovery (steps) | final pass@1 |", "|---|---|---|---|---|---|---|---|---|"]
+    order = sorted(m["runs"], key=lambda a: (a.startswith("ppo-offset"), m["offsets"].get(a) or 0))
+    for arm in order:
+        lines.append(f"| {label(m, arm)} | {pm(arm, 'initial_error', signed=True)} | "
+                     f"{pm(arm, 'initial_error_first_quarter', signed=True)} | "
+                     f"{pm(arm, 'first_step_advantage_last_token', signed=True)} | "
+                     f"{pm(arm, 'first_step_advantage_other_tokens', signed=True)} | {pm(arm, 'length_ratio')} | "
+                     f"{pm(arm, 'acc_ratio')} | {recovery(arm)} | {pm(arm, 'final_acc')} |")
+    lines += ["", "Fig. 2 from the same runs: mean advantage (lambda 0.95, before whitening) over each quarter of the "
+              "first batch's responses, early to late:", "", "| arm | 1st | 2nd | 3rd | 4th |", "|---|---|---|---|---|"]
+    for arm in (a for a in FIG2 if a in m["runs"]):
+        q = np.array([r["first_step_advantage_by_quarter"] for r in m["runs"][arm]], dtype=float).mean(0)
+        lines.append(f"| {label(m, arm)} | " + " | ".join(f"{x:+.3f}" for x in q) + " |")
+    if m["reward_models"]:
+        lines += ["", "The reward models as reward models, on held-out pi_SFT responses (quality.json beside each):", "",
+                  "| arm | loss | responses | AUC | sign accuracy | base rate |", "|---|---|---|---|---|---|"]
+        for arm, q in m["reward_models"].items():
+            a = q.get("all", {})
+            lines.append(f"| {arm} | {q['loss']} | {a.get('responses', 0)} | {a.get('auc', float('nan')):.3f} | "
+                         f"{a.get('sign_accuracy', float('nan')):.3f} | {a.get('base_rate', float('nan')):.3f} |")
+    walls = [r["wall_s"] for rows in m["runs"].values() for r in rows if r["wall_s"] is not None]
+    lines += ["", "Goal checks:", "", *[f"- {g}" for g in m["goals"]], ""]
+    if walls:
+        lines.append(f"train.py time per run: median {np.median(walls):.0f} s, {min(walls):.0f}-{max(walls):.0f} s "
+                     f"over {len(walls)} runs (two at a time on two cores).")
+    lines += ["", "Runs: " + ", ".join(str(r.dir) for rs in runs.values() for r in rs), "", summary_line(m), ""]
     return "\n".join(lines)
 
 
 def main(args: Args, train_flags: list[str]) -> dict:
-    grid = ablation.Args(out_dir=args.out_dir, variants=RUNS, seeds=(args.seed,), jobs=args.jobs,
-                         read_only=args.read_only)
-    runs = ablation.plan_runs(grid, ["--preset", "tiny-long", "--steps", str(args.steps), *train_flags])
+    runs = plan(args, train_flags)
+    wall = 0.0
     if not args.read_only:
-        ablation.run_grid(runs, args.jobs, args.out_dir)
-    missing = [str(r.dir / "train.log") for r in runs if not r.done]
+        wall, _ = ablation.run_grid([r for rs in runs.values() for r in rs], args.jobs, args.out_dir)
+    missing = [str(r.dir / "train.log") for rs in runs.values() for r in rs if not r.done]
     if missing:
         raise SystemExit(f"error: run(s) did not finish, see {', '.join(missing)}")
-    m = measure({r.variant: ablation.load(r) for r in runs})
-    if args.fig2_rollouts:
-        m["fig2"] = fig2(args, next(r for r in runs if r.variant == "vc-ppo"))
+    m = measure(runs, args.offset)
+    m["wall_s"] = wall
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"collapse_seed{args.seed}"
-    plot(m, args.seed, stem.with_suffix(".png"))
-    stem.with_suffix(".md").write_text(markdown(m, args.seed, [str(r.dir) for r in runs]))
-    stem.with_suffix(".json").write_text(json.dumps(m, indent=1))
-    print(stem.with_suffix(".md").read_text())
-    print(f"wrote {stem}.png, .md and .json")
-    if "fig2" in m:
-        print(fig2_line(m["fig2"]))
+    plot(m, args.out / "collapse.png")
+    (args.out / "collapse.md").write_text(markdown(m, runs))
+    (args.out / "collapse.json").write_text(json.dumps(m, indent=1))
+    print((args.out / "collapse.md").read_text())
+    if wall:
+        print(f"ran the missing runs in {wall:.0f} s of wall time")
+    print(f"wrote {args.out}/collapse.png, collapse.md and collapse.json")
     print(summary_line(m))
     return m
 
 
 if __name__ == "__main__":
-    from analysis import run_cli
-
     run_cli(main, Args, __doc__, with_train_flags=True)

@@ -1,7 +1,8 @@
-"""analysis/collapse.py: the length ratio, the summary line from finished runs, and (slow) both runs
-through train.py on a micro setting."""
+"""analysis/collapse.py (Fig. 1 by intervention): the arms it plans, the ratios and recovery it reads,
+the summary line from finished runs, and (slow) a micro grid through train.py."""
 import dataclasses
 import json
+import math
 import os
 import re
 import subprocess
@@ -11,74 +12,116 @@ from pathlib import Path
 import pytest
 
 import config
-from analysis import ablation, collapse
+from analysis import collapse
 
 from test_train import MICRO
 
 ROOT = Path(__file__).resolve().parents[1]
-LINE = re.compile(r"collapse ppo_length_ratio=(\S+) vcppo_length_ratio=(\S+) ppo_final_acc=(\S+) "
-                  r"vcppo_final_acc=(\S+) sft_acc=(\S+)")
-SIGNED = r"[+-]\d+\.\d{3} \([+-](\d+\.\d|nan) SE\)"
-SHARE = r"(\d\.\d{3}|nan)"  # nan: no complete response to judge the ORM on
-FIG2 = re.compile(rf"fig2 orm_first_quarter={SIGNED} pretrained_first_quarter={SIGNED} orm_auc={SHARE} "
-                  rf"orm_sign_acc={SHARE} base_rate={SHARE}")
+SHARE = r"(\d+\.\d{3}|nan|n/a)"
+LINE = re.compile(rf"collapse offset=[+-]\d+ ppo_length_ratio={SHARE} vcppo_length_ratio={SHARE} "
+                  rf"ppo_acc_ratio={SHARE} vcppo_acc_ratio={SHARE} ppo_final_acc={SHARE} vcppo_final_acc={SHARE} "
+                  rf"sft_acc={SHARE}")
 
 
-def test_length_ratio_is_the_lowest_moving_average_over_the_first_step():
-    assert collapse.length_ratio([100, 100, 100, 100, 100, 50, 50, 50, 50, 50, 90]) == pytest.approx(0.5)
-    assert collapse.length_ratio([100, 40, 100, 100, 100, 100]) == pytest.approx(0.88)  # one dip is averaged
+def test_length_ratio_and_recovery_read_the_moving_average():
+    lengths = [100, 100, 100, 100, 100, 50, 50, 50, 50, 50, 90, 100, 100, 100, 100]
+    assert collapse.length_ratio(lengths) == pytest.approx(0.5)
+    # moving averages from step 0: 100, 90, 80, 70, 60, 50, 58, 68, 78, 88, 98: trough at 5, >= 90 at 10
+    assert collapse.recovery_steps(lengths) == 5
+    assert collapse.recovery_steps([100, 95, 96, 94, 97, 99]) == 0  # never below 0.9
+    assert collapse.recovery_steps([100, 50, 50, 50, 50, 50, 50]) is None  # not back within the run
     assert collapse.length_ratio([200, 100], window=5) == pytest.approx(0.75)  # shorter than the window
     with pytest.raises(ValueError):
         collapse.length_ratio([])
 
 
-def fake_run(out_dir: Path, variant: str, steps: int, lengths: list[float], acc: float,
-             extra: tuple[str, ...] = (), seed: int = 0) -> None:
-    """A finished cell as train.py leaves it, with collapse.py's own flags (and `extra` ones after them)."""
-    flags = ["--out-dir", str(out_dir), "--run-name", f"ablation__{variant}__seed{seed}", "--seed", str(seed),
-             "--preset", "tiny-long", "--steps", str(steps), *extra, *ablation.VARIANTS[variant][0]]
-    run = out_dir / f"ablation__{variant}__seed{seed}"
-    run.mkdir(parents=True)
-    (run / "config.json").write_text(json.dumps(dataclasses.asdict(config.parse_config(flags))))
-    rows = [{"step": i, "response_length/mean": n, "response_length/truncated_frac": 0.1, "reward/accuracy": 0.2,
-             "advantage/pos_bin0": 0.3, "advantage/pos_bin1": 0.2, "advantage/pos_bin2": 0.1,
-             "advantage/pos_bin3": 0.0} for i, n in enumerate(lengths)]
-    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (run / "summary.json").write_text(json.dumps({"sft": {"pass@1": 0.25, "mean_length": 550.0},
-                                                  "ppo": {"pass@1": acc, "mean_length": lengths[-1]}}))
+def test_recovery_counts_steps_from_the_trough():
+    assert collapse.recovery_steps([100, 40, 100, 100, 100, 100, 100]) == 2  # moving averages 88, 88, 100
 
 
-def test_reads_both_runs_and_prints_the_summary_line_last(tmp_path, capsys):
-    fake_run(tmp_path, "ppo", 6, [600, 500, 300, 200, 200, 200], 0.1)
-    fake_run(tmp_path, "vc-ppo", 6, [600, 620, 640, 650, 660, 670], 0.4)
-    args = collapse.Args(steps=6, out=tmp_path / "out", out_dir=str(tmp_path), read_only=True, fig2_rollouts=0)
+def test_the_arms_carry_their_offset_in_flags_and_run_name_and_dose_adds_the_other_offsets(tmp_path):
+    args = collapse.Args(out_dir=str(tmp_path), arms=("ppo", "vc-ppo", "grpo", "dose"), seeds=(0, 1), offset=-3)
+    runs = collapse.plan(args, ["--steps", "7"])
+    assert list(runs) == ["ppo", "vc-ppo", "grpo", "ppo-offset-2", "ppo-offset-1", "ppo-offset+0", "ppo-offset+1"]
+    ppo, vc, grpo = runs["ppo"][1].config, runs["vc-ppo"][0].config, runs["grpo"][0].config
+    assert (ppo.critic_init_offset, ppo.value_pretrain_steps, ppo.lam_critic, ppo.seed) == (-3.0, 0, 0.95, 1)
+    assert (vc.critic_init_offset, vc.value_pretrain_steps, vc.lam_critic) == (-3.0, 20, 1.0)
+    assert (grpo.estimator, grpo.critic_init_offset, ppo.steps) == ("grpo", 0.0, 7)  # flags after -- win
+    assert runs["ppo"][0].dir.name == "collapse__ppo__offset-3__seed0"
+    assert runs["ppo-offset+1"][0].dir.name == "collapse__ppo__offset+1__seed0"
+    assert runs["ppo-offset+1"][0].config.critic_init_offset == 1.0
+    with pytest.raises(ValueError, match="unknown arm"):
+        collapse.plan(dataclasses.replace(args, arms=("ppo2",)), [])
+
+
+def fake_run(run: "collapse.ablation.Run", lengths: list[float], accuracy: list[float], error: float | None,
+             final: float, sft: float = 0.25) -> None:
+    """A finished run as train.py leaves it: config.json, metrics.jsonl, summary.json."""
+    run.dir.mkdir(parents=True)
+    (run.dir / "config.json").write_text(json.dumps(dataclasses.asdict(run.config)))
+    rows = [{"step": i, "response_length/mean": n, "reward/accuracy": a, "advantage/pos_bin0": 0.3,
+             "advantage/pos_bin1": 0.2, "advantage/pos_bin2": 0.1, "advantage/pos_bin3": 0.0}
+            for i, (n, a) in enumerate(zip(lengths, accuracy))]
+    if error is not None:
+        rows[0] |= {"critic/value_error/all": error, "critic/value_error/first_quarter": error - 0.1,
+                    "advantage/last_token": 1.0, "advantage/other_tokens": 0.2}
+    (run.dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run.dir / "summary.json").write_text(json.dumps({"sft": {"pass@1": sft}, "ppo": {"pass@1": final}}))
+
+
+def test_reads_the_runs_checks_the_goals_and_prints_the_summary_line_last(tmp_path, capsys):
+    args = collapse.Args(out=tmp_path / "out", out_dir=str(tmp_path), arms=("ppo", "vc-ppo", "grpo", "dose"),
+                         seeds=(0, 1), steps=6, read_only=True)
+    runs = collapse.plan(args, [])
+    collapsed, kept = [600, 500, 300, 200, 200, 200], [600, 620, 640, 650, 660, 670]
+    for i, run in enumerate(runs["ppo"]):  # accuracy ratio: 5 x 0.05 / 5 / 0.25 = 0.2
+        fake_run(run, collapsed, [0.2, 0.05, 0.05, 0.05, 0.05, 0.05], error=-1.4, final=0.1 + 0.1 * i)
+    for run in runs["vc-ppo"]:
+        fake_run(run, kept, [0.25] * 6, error=-0.1, final=0.3)
+    for run in runs["grpo"]:
+        fake_run(run, kept, [0.25] * 6, error=None, final=0.3)
+    for arm, ratio_length in (("ppo-offset-3", 100), ("ppo-offset-1", 500), ("ppo-offset+0", 600), ("ppo-offset+1", 620)):
+        for seed, run in enumerate(runs[arm]):  # seed 1 does not rise from -1 to 0
+            fake_run(run, [600] + [ratio_length - 200 * (seed and arm == "ppo-offset+0")] * 5, [0.25] * 6,
+                     error=collapse.arm_flags(-2.0)[arm][1] + 0.6, final=0.2)
     m = collapse.main(args, [])
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert LINE.fullmatch(last), last
-    assert last == ("collapse ppo_length_ratio=0.467 vcppo_length_ratio=1.057 ppo_final_acc=0.100 "
-                    "vcppo_final_acc=0.400 sft_acc=0.250")  # ppo: (500+300+200+200+200)/5 / 600
-    assert m["runs"]["ppo"]["first_step_advantage_by_quarter"] == [0.3, 0.2, 0.1, 0.0]
-    assert (tmp_path / "out" / "collapse_seed0.png").stat().st_size > 0
-    assert json.loads((tmp_path / "out" / "collapse_seed0.json").read_text())["sft_acc"] == 0.25
+    assert last == ("collapse offset=-2 ppo_length_ratio=0.467 vcppo_length_ratio=1.057 ppo_acc_ratio=0.200 "
+                    "vcppo_acc_ratio=1.000 ppo_final_acc=0.150 vcppo_final_acc=0.300 sft_acc=0.250")
+    assert m["runs"]["ppo"][0]["recovery_steps"] is None and m["runs"]["vc-ppo"][0]["recovery_steps"] == 0
+    assert m["goals"][:2] == [
+        "plain PPO at offset -2 collapses (length ratio <= 0.6 and accuracy ratio <= 0.5): 2 of 2 seeds",
+        "VC-PPO from the same offset holds (length ratio >= 0.85, accuracy ratio >= 0.8, final pass@1 >= pi_SFT's): "
+        "2 of 2 seeds"]
+    assert m["goals"][2].startswith("seed 0: length ratio by offset -3 -2 -1 +0 +1: 0.17 0.47 0.83 1.00 1.03 (rises")
+    assert "0.83 0.67 1.03 (does NOT rise" in m["goals"][3]
+    md = (tmp_path / "out" / "collapse.md").read_text()
+    assert "| ppo (offset -2) | -1.400 ± 0.000 | -1.500 ± 0.000 | +1.000 ± 0.000 | +0.200 ± 0.000 | 0.467 ± 0.000 " in md
+    assert "| grpo | - | - | - | - | 1.057 ± 0.000 |" in md
+    assert math.isclose(json.loads((tmp_path / "out" / "collapse.json").read_text())["sft_acc"], 0.25)
+    assert (tmp_path / "out" / "collapse.png").stat().st_size > 0
 
 
 def test_runs_that_did_not_finish_are_a_clear_error(tmp_path):
     with pytest.raises(SystemExit, match="did not finish"):
-        collapse.main(collapse.Args(out_dir=str(tmp_path), read_only=True, fig2_rollouts=0), [])
+        collapse.main(collapse.Args(out_dir=str(tmp_path), arms=("ppo",), read_only=True), [])
 
 
 @pytest.mark.slow
-def test_micro_runs_of_both_end_with_the_summary_line(tmp_path):
-    # The short task's lines keep this under a minute; the long task's own pi_SFT cache: test_sft.py.
+def test_micro_grid_through_train_py_ends_with_the_summary_line(tmp_path):
     cmd = [sys.executable, str(ROOT / "analysis" / "collapse.py"), "--steps", "2", "--out", str(tmp_path / "out"),
-           "--out-dir", str(tmp_path / "runs"), "--fig2-rollouts", "4", "--", *MICRO, "--value-pretrain-steps", "1", "--task-length", "short"]
+           "--out-dir", str(tmp_path / "runs"), "--arms", "ppo", "vc-ppo", "ppo-orm", "--",
+           *MICRO, "--value-pretrain-steps", "1"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr[-3000:]
-    *_, fig2, last = done.stdout.strip().splitlines()
-    assert LINE.fullmatch(last), last
-    assert FIG2.fullmatch(fig2), fig2  # Fig. 2 under both critics, read from this seed's runs
-    assert (tmp_path / "out" / "fig2_seed0" / "advantage_bias.md").is_file()
-    for run in ("ppo", "vc-ppo"):
-        cfg = json.loads((tmp_path / "runs" / f"ablation__{run}__seed0" / "config.json").read_text())
-        assert (cfg["preset"], cfg["steps"], cfg["critic_init"]) == ("tiny-long", 2, "rm" if run == "ppo" else "sft")
-    assert (tmp_path / "out" / "collapse_seed0.md").read_text().strip().endswith(last)
+    last = done.stdout.strip().splitlines()[-1]
+    assert LINE.fullmatch(last) and last.startswith("collapse offset=-2 "), last
+    m = json.loads((tmp_path / "out" / "collapse.json").read_text())
+    ppo = config.Config(**{**json.loads((tmp_path / "runs" / "collapse__ppo__offset-2__seed0" / "config.json")
+                                        .read_text()), "task_difficulty": None})
+    assert (ppo.critic_init_offset, ppo.value_pretrain_steps, ppo.lam_critic, ppo.steps) == (-2.0, 0, 0.95, 2)
+    # pi_SFT's returns lie in [-1, 1] and a fresh head starts near 0: offset -2 starts every value too low
+    assert m["runs"]["ppo"][0]["initial_error"] < -0.5
+    assert (tmp_path / "runs" / "_shared" / "orm" / "quality.json").is_file()
+    assert (tmp_path / "out" / "collapse.md").read_text().strip().endswith(last)

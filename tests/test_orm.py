@@ -166,3 +166,49 @@ def test_orm_sign_accuracy_is_the_share_of_scores_with_the_label_sign(tmp_path, 
     labels[0] = -labels[0]
     history = train_orm(model, [batch], [labels], steps=1, lr=1e-3)
     assert history[0]["orm/sign_accuracy"] == pytest.approx(0.75)
+
+
+# --- the Bradley-Terry reward model and the ORM's held-out quality ------------------------------
+
+
+def test_preference_pairs_are_right_over_wrong_responses_to_one_prompt():
+    from critic import preference_pairs
+
+    outcomes = torch.tensor([1.0, -1.0, -1.0, -1.0, 1.0, 1.0, -1.0, 1.0, 1.0, -1.0, -1.0])
+    winners, losers = preference_pairs(outcomes, group=2)  # prompts: rows 0-1, 2-3, 4-5, 6-7, 8-9, 10
+    assert list(zip(winners.tolist(), losers.tolist())) == [(0, 1), (7, 6), (8, 9)]
+    winners, losers = preference_pairs(outcomes[:6], group=3)  # rows 0-2 and 3-5
+    assert list(zip(winners.tolist(), losers.tolist())) == [(0, 1), (0, 2), (4, 3), (5, 3)]
+
+
+def test_bradley_terry_ranks_right_above_wrong_and_trains_only_score_differences(tmp_path, one_thread):
+    from critic import orm_quality, roc_auc
+
+    model = _tiny_value_model(tmp_path)
+    data = [_synthetic_batch(seed, batch_size=8) for seed in range(4)]  # rows 2i (right) and 2i+1 (wrong)
+    history = train_orm(model, [b for b, _ in data], [y for _, y in data], steps=40, lr=2e-3, loss="bradley-terry")
+    assert history[0]["orm/loss"] == pytest.approx(0.693, abs=0.05)  # -log sigmoid(~0) before training
+    last = sum(h["orm/loss"] for h in history[-8:]) / 8
+    assert last < 0.3 and sum(h["orm/pair_accuracy"] for h in history[-8:]) / 8 >= 0.9
+    held_out, labels = _synthetic_batch(seed=99)
+    scores = orm_scores(model, held_out)
+    scored = [SimpleNamespace(batch=held_out, outcomes=labels)]
+    quality = orm_quality(model, scored)["all"]
+    assert quality["auc"] == roc_auc(scores.numpy(), labels.numpy() > 0) and quality["auc"] >= 0.8
+    assert quality["responses"] == 16 and quality["correct"] == 8 and quality["base_rate"] == 0.5
+
+    # A constant added to every score leaves the loss and its gradient unchanged: only differences train.
+    with torch.no_grad():
+        model.score.bias.add_(5.0)
+    shifted = train_orm(model, [data[0][0]], [data[0][1]], steps=1, lr=0.0, loss="bradley-terry")
+    unshifted = train_orm(model, [data[0][0]], [data[0][1]], steps=1, lr=0.0, loss="mse")
+    assert shifted[0]["orm/loss"] < 0.3 and unshifted[0]["orm/loss"] > 10  # MSE sees the +5, BT does not
+
+
+def test_bradley_terry_without_a_right_and_a_wrong_answer_to_one_prompt_is_a_clear_error(tmp_path, one_thread):
+    from config import ConfigError
+
+    model = _tiny_value_model(tmp_path)
+    batch, _ = _synthetic_batch(seed=0, batch_size=4)
+    with pytest.raises(ConfigError, match="no pair to rank; raise --orm-batches or --samples-per-prompt"):
+        train_orm(model, [batch], [-torch.ones(4)], steps=1, lr=1e-3, loss="bradley-terry")

@@ -343,6 +343,58 @@ def test_grpo_needs_two_samples_per_prompt():
         config.parse_config(["--estimator", "grpo", "--samples-per-prompt", "1"])
 
 
+def test_a_critic_offset_without_a_critic_and_bradley_terry_without_pairs_are_refused():
+    with pytest.raises(config.ConfigError, match=r"--critic-init-offset = -2.0 \(must be 0 with --estimator grpo"):
+        config.parse_config(["--estimator", "grpo", "--critic-init-offset", "-2"])
+    with pytest.raises(config.ConfigError, match="--orm-loss = 'bradley-terry' .*two responses to a prompt"):
+        config.parse_config(["--orm-loss", "bradley-terry", "--samples-per-prompt", "1"])
+    assert config.parse_config(["--critic-init-offset", "-2"]).critic_init_offset == -2.0
+
+
+def test_the_critic_offset_moves_every_first_step_value_by_exactly_the_offset(out_dir, sft):
+    """Same seed, same pi_SFT, same fresh head: the first batch is the same, and only the head's bias,
+    hence every V(s_t), differs, by the offset. The error against the return moves with it."""
+    rows = {}
+    for offset in ("0", "-2"):
+        cfg = micro_config(out_dir, "--run-name", f"offset{offset}", "--steps", "1", "--critic-init", "sft",
+                           "--value-pretrain-steps", "0", "--lam-critic", "0.95", "--critic-init-offset", offset)
+        train.main(cfg)
+        rows[offset] = read_metrics(out_dir / f"offset{offset}")[0]
+    assert rows["-2"]["response_length/mean"] == rows["0"]["response_length/mean"]
+    for key in ("critic/values_mean", "critic/value_error/all", "critic/value_error/first_quarter"):
+        assert rows["-2"][key] - rows["0"][key] == pytest.approx(-2.0, abs=1e-4), key
+    # Every TD error but the last token's is V(s_t+1) - V(s_t): the offset cancels there, and the last
+    # token's r - V(s_L-1) grows by exactly 2.
+    assert rows["-2"]["advantage/last_token"] - rows["0"]["advantage/last_token"] == pytest.approx(2.0, abs=1e-4)
+
+
+def test_critic_error_metrics_against_a_direct_computation():
+    import torch
+
+    from rollout import RolloutBatch
+    from sampling import ScoredBatch
+
+    lengths, outcomes = [4, 2, 3], [1.0, -1.0, -0.5]
+    mask = (torch.arange(4)[None] < torch.tensor(lengths)[:, None]).float()
+    values = torch.tensor([[0.5, 0.1, -0.2, 0.4], [-0.3, 0.2, 0.0, 0.0], [0.9, -0.6, 0.3, 0.0]]) * mask
+    rewards = torch.zeros(3, 4)
+    for b, (n, r) in enumerate(zip(lengths, outcomes)):
+        rewards[b, n - 1] = r
+    batch = RolloutBatch(prompt_ids=torch.ones(3, 1, dtype=torch.long), prompt_mask=torch.ones(3, 1, dtype=torch.long),
+                         response_ids=torch.ones(3, 4, dtype=torch.long), response_mask=mask,
+                         logprobs=torch.zeros(3, 4), finish_reasons=["stop"] * 3)
+    scored = ScoredBatch(batch, [""] * 3, torch.tensor(outcomes), rewards, 0, 0, {})
+    advantages = torch.tensor([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 0.0, 0.0], [7.0, 8.0, 9.0, 0.0]]) * mask
+    m = train.critic_error_metrics(scored, values, advantages, gamma=0.5)
+    # G_t = gamma^(L-1-t) r; tokens of the first quarter: t * 4 // L == 0, i.e. t = 0 in every row here.
+    errors = [(values[b, t].item() - 0.5 ** (n - 1 - t) * r, t * 4 // n == 0)
+              for b, (n, r) in enumerate(zip(lengths, outcomes)) for t in range(n)]
+    assert m["critic/value_error/all"] == pytest.approx(sum(e for e, _ in errors) / 9)
+    assert m["critic/value_error/first_quarter"] == pytest.approx(sum(e for e, q in errors if q) / 3)
+    assert m["advantage/last_token"] == pytest.approx((4.0 + 6.0 + 9.0) / 3)
+    assert m["advantage/other_tokens"] == pytest.approx((1 + 2 + 3 + 5 + 7 + 8) / 6)
+
+
 @pytest.mark.parametrize("flag", ["--mixed-precision", "--cpu-offload"])
 def test_gpu_only_flags_stop_a_cpu_run_before_any_stage(tmp_path, flag):
     with pytest.raises(config.ConfigError, match=f"{flag} needs a GPU"):
