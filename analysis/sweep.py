@@ -1,12 +1,12 @@
 """Where does plain PPO collapse? A small sweep on the long built-in task (paper §3.1, Fig. 1).
 
 The paper's collapse (response length, then accuracy, falling early in PPO) did not happen on the
-long task at its defaults (analysis/collapse.py, RESULTS.md "The long task"). So this script varies
+long task at its defaults (RESULTS.md, "The long task"). So this script varies
 one setting at a time and runs plain PPO against VC-PPO in each cell, with the same seeds:
 
 | cell | train.py flags, after `--preset tiny-long` |
 |---|---|
-| default | `--steps 50`: the runs of `analysis/collapse.py --steps 50`, in the base --out-dir itself |
+| default | `--steps 50`: plain PPO and VC-PPO at the preset's settings, in the base --out-dir itself |
 | actor-lr-1e-4, actor-lr-2e-4 | `--steps 20 --actor-lr ...` (the default is 5e-5) |
 | lam-actor-0.99 | `--steps 20 --lam-actor 0.99` (plain PPO's critic keeps lambda 0.95) |
 | max-new-tokens-560 | `--steps 20 --max-new-tokens 560`: a limit that truncates more of pi_SFT's responses |
@@ -23,16 +23,16 @@ response 569 tokens, 28 GAE horizons, against the preset's 519, 26), and 28-40 (
 horizons). Each has its own ORM (trained on its own problems) and a limit that cuts about the
 preset's share of the SFT mix's responses: 620 cuts 10.5% (46-52), 460 cuts 12.7% (28-40).
 
-Each cell's two runs are collapse.py's (`ppo`, `vc-ppo`, the ablation grid's cells) in
+Each cell's two runs are the ablation grid's `ppo` (critic from the ORM) and `vc-ppo` cells, in
 <root>/<cell>/. A cell reuses the base --out-dir's pi_SFT, and its ORM when the ORM's settings are
 the cell's too (linked into <root>/<cell>/_shared/); otherwise its first run builds its own. Every
 run that can share the cached models is started in one pool, `--jobs` at a time.
 
-The table gives, per cell and seed, collapse.py's numbers: the length ratio (lowest 5-step moving
+The table gives, per cell and seed: the length ratio (lowest 5-step moving
 average of the batch-mean length over the first step's), held-out pass@1 after PPO (pi_SFT's
 beside it), and the training accuracy over the first and last 5 steps; a cell with more than one
-finished seed gets a row of means (± sample std) over them. The last two columns apply the goal of
-collapse.py's issue to each seed: plain PPO collapses (ratio <= 0.7, pass@1 below pi_SFT's) and
+finished seed gets a row of means (± sample std) over them. The last two columns apply the search's
+goal to each seed: plain PPO collapses (ratio <= 0.7, pass@1 below pi_SFT's) and
 VC-PPO holds (ratio >= 0.9, pass@1 at least pi_SFT's). Cells that have not finished, or not
 started, are listed as such. Flags after `--` go to every run.
 
@@ -50,7 +50,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 
-from analysis import ablation, collapse
+from analysis import ablation
+from analysis.collapse import WINDOW, length_ratio
 from config import parse_config
 from critic import orm_path, orm_settings
 from sft import sft_cache_path, sft_config, sft_settings
@@ -65,7 +66,7 @@ CELLS = {  # name -> train.py flags after --preset tiny-long
     "k-46-52": ["--steps", "50", "--task-difficulty", "46", "52", "--max-new-tokens", "620"],
     "k-28-40": ["--steps", "50", "--task-difficulty", "28", "40", "--max-new-tokens", "460"],
 }
-WINDOW = collapse.WINDOW
+RUNS = ("ppo", "vc-ppo")  # each cell's two runs, cells of the ablation grid
 
 
 @dataclass
@@ -115,7 +116,7 @@ def plan(args: Args, train_flags: list[str]) -> dict[str, list[ablation.Run]]:
         if not args.read_only:
             link_caches(out_dir, ["--out-dir", args.out_dir, "--preset", "tiny-long", *train_flags],
                         ["--out-dir", out_dir, *flags])
-        grid = ablation.Args(out_dir=out_dir, variants=collapse.RUNS, seeds=args.seeds)
+        grid = ablation.Args(out_dir=out_dir, variants=RUNS, seeds=args.seeds)
         runs[cell] = ablation.plan_runs(grid, flags)
     return runs
 
@@ -138,8 +139,19 @@ def first_last_accuracy(rows: list[dict]) -> tuple[float, float]:
     return float(np.mean(acc[:WINDOW])), float(np.mean(acc[-WINDOW:]))
 
 
+def measure_pair(loaded: dict) -> dict:
+    """pi_SFT's held-out pass@1 and, per run, the length ratio, the final held-out pass@1 and the curves."""
+    out = {"sft_acc": loaded["ppo"]["summary"]["sft"]["pass@1"], "runs": {}}
+    for name in RUNS:
+        rows, summary = loaded[name]["metrics"], loaded[name]["summary"]
+        curves = {key: [r[key] for r in rows] for key in ("response_length/mean", "reward/accuracy")}
+        out["runs"][name] = {"length_ratio": length_ratio(curves["response_length/mean"]),
+                             "final_acc": summary["ppo"]["pass@1"], "steps": len(rows), "curves": curves}
+    return out
+
+
 def measure(runs: dict[str, list[ablation.Run]]) -> dict:
-    """Per cell and seed: collapse.measure of its two runs, or "not finished" / "not started"."""
+    """Per cell and seed: measure_pair of its two runs, or "not finished" / "not started"."""
     out = {}
     for cell, cell_runs in runs.items():
         out[cell] = {"flags": CELLS[cell], "seeds": {}}
@@ -149,8 +161,8 @@ def measure(runs: dict[str, list[ablation.Run]]) -> dict:
                 out[cell]["seeds"][seed] = "not finished" if any(r.dir.exists() for r in pair) else "not started"
                 continue
             loaded = {r.variant: ablation.load(r) for r in pair}
-            m = collapse.measure(loaded)
-            for name in collapse.RUNS:
+            m = measure_pair(loaded)
+            for name in RUNS:
                 m["runs"][name]["train_acc_first_last"] = first_last_accuracy(loaded[name]["metrics"])
                 m["runs"][name]["dir"] = str(next(r.dir for r in pair if r.variant == name))
             out[cell]["seeds"][seed] = m
@@ -185,7 +197,7 @@ def over_seeds(cell: str, flags: str, ms: list[dict]) -> str:
         return (f"{stat([r['length_ratio'] for r in rs])} | {stat([r['final_acc'] for r in rs])} | "
                 f"{first:.2f} -> {last:.2f}")
 
-    cols = [run_cols(run) for run in collapse.RUNS]
+    cols = [run_cols(run) for run in RUNS]
     return (f"| {cell} | `{flags}` | **mean of {len(ms)}** | {ms[0]['runs']['ppo']['steps']} | "
             f"{stat([m['sft_acc'] for m in ms])} | "
             f"{cols[0]} | {cols[1]} | {sum(map(collapsed, ms))} of {len(ms)} | {sum(map(held, ms))} of {len(ms)} |")
@@ -224,7 +236,7 @@ def plot(results: dict, path: Path) -> None:
     fig, axes = plt.subplots(len(done), 2, figsize=(11, 3 * len(done)), squeeze=False)
     for row, (cell, seed, m) in zip(axes, done):
         for ax, (key, label) in zip(row, keys):
-            for name in collapse.RUNS:
+            for name in RUNS:
                 ax.plot(m["runs"][name]["curves"][key], label=name)
             ax.set(xlabel="PPO step", ylabel=label, title=f"{cell}, seed {seed}")
             ax.grid(alpha=0.3)

@@ -1,10 +1,26 @@
 """analysis/sweep.py: which cached models a cell reuses, and the table from finished runs."""
+import dataclasses
 import json
 from pathlib import Path
 
-from analysis import sweep
+import config
+from analysis import ablation, sweep
 
-from test_collapse import fake_run
+
+def fake_run(out_dir: Path, variant: str, steps: int, lengths: list[float], acc: float,
+             extra: tuple[str, ...] = (), seed: int = 0) -> None:
+    """A finished cell as train.py leaves it, with the long task's flags (and `extra` ones after them)."""
+    flags = ["--out-dir", str(out_dir), "--run-name", f"ablation__{variant}__seed{seed}", "--seed", str(seed),
+             "--preset", "tiny-long", "--steps", str(steps), *extra, *ablation.VARIANTS[variant][0]]
+    run = out_dir / f"ablation__{variant}__seed{seed}"
+    run.mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps(dataclasses.asdict(config.parse_config(flags))))
+    rows = [{"step": i, "response_length/mean": n, "response_length/truncated_frac": 0.1, "reward/accuracy": 0.2,
+             "advantage/pos_bin0": 0.3, "advantage/pos_bin1": 0.2, "advantage/pos_bin2": 0.1,
+             "advantage/pos_bin3": 0.0} for i, n in enumerate(lengths)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "summary.json").write_text(json.dumps({"sft": {"pass@1": 0.25, "mean_length": 550.0},
+                                                  "ppo": {"pass@1": acc, "mean_length": lengths[-1]}}))
 
 
 def make_caches(base: Path) -> None:
