@@ -31,7 +31,7 @@ Eq. (8). Also here: VAPO's length-adaptive lambda and GRPO's group-normalised ou
 import torch
 
 import gae_fast
-from ppo import check_masked_inputs
+from masked import check_masked_inputs
 
 
 # --- the definition ------------------------------------------------------------------------------

@@ -13,19 +13,16 @@ plain reward sum, so error does not grow with T).
   reads them: one launch;
 - GPU without Triton, or when autograd needs a graph: a chunked scan of matrix products (a few
   batched matmuls instead of T dependent steps).
-numba loads llvmlite, which vLLM's CPU worker trips over: `llvmlite_hidden` (used by rollout.py).
 """
 
-import contextlib
 import functools
-import sys
 
 import numba
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ppo import check_masked_inputs
+from masked import check_masked_inputs
 
 # numba's default OpenMP layer shares torch's libgomp, and its first parallel call sets the process's
 # OpenMP thread count to every core (omp_set_num_threads): every later torch op then ran on that many
@@ -213,20 +210,3 @@ def _reverse_discounted_sum(x, decay):
         tail = powers[..., 1:].flip(-1)  # decay^(size - i), i = 0..size-1
         local.addcmul_(carry.unsqueeze(-1), tail.unsqueeze(-2))
     return local.view(batch, -1)[:, :length].contiguous() if pad else local.view(batch, length)
-
-
-# --- numba beside vLLM ---------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def llvmlite_hidden():
-    """Inside the block, llvmlite's `ffi.lib` (loaded by numba for the compiled loop) is missing
-    from sys.modules: vLLM 0.32's CPU worker scans every loaded module for Triton kernels to
-    override and fails on it. The module stays loaded and referenced."""
-    name = "llvmlite.binding.ffi"
-    module = sys.modules.pop(name, None)
-    try:
-        yield
-    finally:
-        if module is not None:
-            sys.modules[name] = module

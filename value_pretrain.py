@@ -26,7 +26,9 @@ from data import sample_prompts, stream_seed
 from fsdp_utils import is_main, reduce_metrics, world_size
 from checkpoints import export_hf_checkpoint, latest_checkpoint, load_checkpoint, remove_checkpoint, save_checkpoint
 from gae import compute_gae
-from ppo import assert_finite, check_masked_inputs, explained_variance, micro_batched_forward, update_model
+from masked import check_masked_inputs
+from ppo import explained_variance
+from ppo_update import assert_finite, micro_batched_forward, update_model
 from rundir import build_shared, json_safe
 from sampling import Sampler
 

@@ -38,12 +38,12 @@ from critic import check_orm, load_value_model, orm_path, orm_quality, prepare_o
 from data import prepare_data, sample_prompts, stream_seed
 from fsdp_utils import local_device
 from gae import compute_gae
-from ppo import masked_mean, masked_sum
+from masked import masked_mean, masked_sum
 from rollout import HFRollout
 from sampling import Sampler
 from sft import prepare_sft, sft_cache_path
 from value_pretrain import prepare_value_critic
-from verifier import Grader
+from reward import Grader
 
 CRITICS = ("orm", "sft", "pretrained")
 LABELS = {"orm": "ORM-initialised", "sft": "SFT + fresh head", "pretrained": "value-pretrained (§3.2)"}

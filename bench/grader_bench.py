@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import tyro
 
-import verifier
-from verifier import Grader
+import reward
+from reward import Grader
 
 
 @dataclass
@@ -59,16 +59,16 @@ def serial_outcomes(responses: list[str], answers: list[str]) -> list[float]:
     """What a grader worker computes, item by item here: box, fast path, then math-verify."""
     outcomes = []
     for response, answer in zip(responses, answers):
-        boxed, gold = verifier.last_boxed(response), verifier._gold_text(answer)
-        verdict = boxed is not None and verifier._fast_verdict(boxed, gold)
+        boxed, gold = reward.last_boxed(response), reward._gold_text(answer)
+        verdict = boxed is not None and reward._fast_verdict(boxed, gold)
         if verdict is None:
-            verdict = verifier._math_equal(boxed, gold)
+            verdict = reward._math_equal(boxed, gold)
         outcomes.append(1.0 if verdict else -1.0)
     return outcomes
 
 
 def main(args: Args) -> None:
-    verifier._math_equal("0.5", "\\frac12")  # build math-verify's grammar before timing
+    reward._math_equal("0.5", "\\frac12")  # build math-verify's grammar before timing
     with Grader(num_workers=args.workers, timeout_s=args.timeout_s) as grader:
         t0 = time.perf_counter()
         grader.grade(["\\boxed{0.5}"] * 4, ["\\frac12"] * 4)  # waits for the workers to start

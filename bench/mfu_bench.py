@@ -35,7 +35,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 import fsdp_utils
 import train
 from config import Config
-from ppo import update_model
+from ppo_update import update_model
 from rollout import RolloutBatch
 
 PEAK_FLOPS = 989e12  # H200 (and H100 SXM) dense bf16

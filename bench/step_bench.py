@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 import task
 from config import Config
-from ppo import update_model
+from ppo_update import update_model
 from rollout import RolloutBatch
 from train import actor_loss
 

@@ -119,7 +119,7 @@ def data_files(tmp_path_factory):
 # 1. An unbounded grader -----------------------------------------------------------------------------------
 
 # Two answers that each kept math-verify busy for over 30 s, as Python source for the subprocess (the
-# second, a 1 MB sum, would not fit a command-line argument). tests/test_verifier.py has the others.
+# second, a 1 MB sum, would not fit a command-line argument). tests/test_reward.py has the others.
 HOSTILE = """["\\\\boxed{9^{9^{9^{9}}}}", "\\\\boxed{" + "+".join(["1"] * 500_000) + "}"]"""
 
 
@@ -317,7 +317,7 @@ def test_the_sft_log_names_where_pi_sft_was_saved(out_dir, first_run):
 
 
 def test_unicode_digits_are_not_ascii_numbers():
-    from verifier import rule_reward
+    from reward import rule_reward
 
     assert rule_reward("\\boxed{١٢٣٤}", "1234") == -1.0 and rule_reward("\\boxed{１２３４}", "1234") == -1.0
     assert rule_reward("\\boxed{１２３４}", "１２３４") == 1.0  # the ground truth's own text

@@ -26,7 +26,7 @@ from rollout import HFRollout, RolloutBatch  # noqa: E402
 from sampling import Sampler  # noqa: E402
 from second_device import DEVICE, second_device  # noqa: E402
 from value_pretrain import pretrain_value  # noqa: E402
-from verifier import Grader  # noqa: E402
+from reward import Grader  # noqa: E402
 
 MICRO = ["--prompts-per-step", "2", "--samples-per-prompt", "2", "--max-new-tokens", "6",
          "--micro-batch-size", "3", "--num-minibatches", "2", "--eval-samples", "2",

@@ -325,7 +325,7 @@ def test_the_update_recomputes_activations_only_with_activation_checkpointing(ch
     effect (each layer runs twice per micro-batch), and leaves the model in eval mode after."""
     import train
     from config import Config
-    from ppo import update_model
+    from ppo_update import update_model
     from rollout import HFRollout
 
     tokenizer, model = tiny_actor()

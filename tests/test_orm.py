@@ -7,7 +7,7 @@ import torch
 
 from critic import orm_scores, train_orm
 from sampling import Sampler
-from verifier import GradeResult
+from reward import GradeResult
 
 # --- outcome reward model --------------------------------------------------------------------
 

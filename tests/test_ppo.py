@@ -6,19 +6,10 @@ import math
 import pytest
 import torch
 
-from ppo import (
-    aggregate_loss,
-    check_masked_inputs,
-    entropy_from_logits,
-    explained_variance,
-    kl_penalty,
-    masked_mean,
-    masked_var,
-    masked_whiten,
-    policy_loss,
-    response_logprobs,
-    value_loss,
-)
+from masked import check_masked_inputs, masked_mean, masked_var
+from ppo import aggregate_loss, entropy_from_logits, explained_variance, kl_penalty, policy_loss
+from ppo import response_logprobs, value_loss
+from ppo_update import masked_whiten
 
 torch.set_num_threads(1)
 
@@ -313,7 +304,7 @@ def test_update_model_step_does_not_depend_on_micro_batches_or_their_trimmed_pad
     from types import SimpleNamespace
 
     import train
-    from ppo import update_model
+    from ppo_update import update_model
 
     model, batch = ragged_rollout()
     assert len(set(batch.lengths.tolist())) > 2  # ragged, so trimming has something to drop
@@ -353,7 +344,7 @@ def test_micro_batched_forward_equals_the_whole_batch_forward_in_bounded_micro_b
     """The no-grad forward before the update (old log-probs, values) runs in length-sorted,
     trimmed micro-batches of at most micro_batch_size rows, and reassembles the whole-batch result."""
     import train
-    from ppo import micro_batched_forward
+    from ppo_update import micro_batched_forward
 
     model, batch = ragged_rollout()
     with torch.no_grad():
@@ -456,7 +447,7 @@ def recording_loss(model, micro, micro_rows, normalizer, cfg):
 def run_update(lengths, lr=0.0, **settings):
     from types import SimpleNamespace
 
-    from ppo import update_model
+    from ppo_update import update_model
 
     batch = synthetic_rollout(lengths)
     B, T = batch.response_mask.shape
@@ -511,7 +502,7 @@ def test_update_model_clips_the_gradient_norm_to_max_grad_norm(max_grad_norm, ex
     gradient clipped to norm max_grad_norm; grad_norm reports the norm before clipping."""
     from types import SimpleNamespace
 
-    from ppo import update_model
+    from ppo_update import update_model
 
     batch = synthetic_rollout([3, 2])
     model = torch.nn.Linear(1, 1, bias=False)

@@ -10,7 +10,8 @@ import torch
 import task
 from critic import load_value_model, response_values, value_outputs
 from checkpoints import CheckpointError
-from ppo import assert_finite, response_logprobs
+from ppo import response_logprobs
+from ppo_update import assert_finite
 from rollout import HFRollout, decode_responses, left_pad
 
 

@@ -5,7 +5,7 @@ import pytest
 from transformers import AutoTokenizer
 
 import task
-from verifier import rule_reward
+from reward import rule_reward
 
 
 @pytest.fixture(scope="module")

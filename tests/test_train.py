@@ -18,7 +18,7 @@ import config
 import critic
 import rundir
 import train
-from verifier import GradeResult
+from reward import GradeResult
 
 ROOT = Path(__file__).resolve().parents[1]
 # A few seconds per stage: a barely trained pi_SFT, short responses, tiny batches.

@@ -23,7 +23,7 @@ from gae import gae_reference
 from ppo import response_logprobs
 from rollout import RolloutBatch, left_pad
 from sampling import Sampler
-from verifier import GradeResult
+from reward import GradeResult
 
 # Responses of the scripted rollout (characters of the task's alphabet) and how each one ended.
 # Rows 2k and 2k+1 share a prompt (samples_per_prompt = 2); MAX_NEW_TOKENS-long rows were cut.
@@ -371,3 +371,18 @@ def test_plateaued_needs_both_loss_and_explained_variance_flat_over_two_windows(
     """value_pretrain's documented stop: over two consecutive windows the mean loss falls by less
     than rel_tol (relative) AND the mean explained variance rises by less than ev_tol."""
     assert value_pretrain.plateaued(history(losses, evs), window=3, rel_tol=0.02, ev_tol=0.01) is expected
+
+
+def test_the_paper_math_imports_no_distributed_plumbing():
+    """gae.py (Eq. 5-8) and ppo.py (Eq. 1-2) read on their own: neither the trainer's process groups
+    (fsdp_utils), sharded tensors (DTensor) nor checkpoints are in their import chain."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys, gae, ppo; print(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('fsdp_utils', 'checkpoints', 'rollout', 'train', 'ppo_update') or m.startswith('torch.distributed.tensor')))")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"

@@ -14,7 +14,7 @@ import fsdp_utils
 import train
 from common import PROMPTS, tiny_actor, write_result
 from config import Config
-from ppo import update_model
+from ppo_update import update_model
 from rollout import HFRollout
 
 out_dir = sys.argv[1]

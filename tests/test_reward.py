@@ -1,4 +1,4 @@
-"""verifier.py: verdicts on Math-Verify's own cases, the grader pool and its timeout."""
+"""reward.py: the verifier's verdicts on Math-Verify's own cases, the grader pool and its timeout."""
 
 import json
 import math
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-import verifier
-from verifier import Grader, last_boxed, rule_reward
+import reward
+from reward import Grader, last_boxed, rule_reward
 
 # Shipped with the tests (its README: source and license). Read at import: a missing file fails
 # the collection of this module instead of skipping its tests.
@@ -75,10 +75,10 @@ def test_boxed_ground_truth_is_unwrapped():
 
 
 def test_fast_path_decides_without_math_verify():
-    assert verifier._fast_verdict("1 2 3", "1 2   3") is True
-    assert verifier._fast_verdict("0042", "42") is True
-    assert verifier._fast_verdict("-41", "42") is False
-    assert verifier._fast_verdict("\\frac12", "0.5") is None  # left to math-verify
+    assert reward._fast_verdict("1 2 3", "1 2   3") is True
+    assert reward._fast_verdict("0042", "42") is True
+    assert reward._fast_verdict("-41", "42") is False
+    assert reward._fast_verdict("\\frac12", "0.5") is None  # left to math-verify
 
 
 def test_rule_reward_never_raises_on_garbage():
@@ -132,13 +132,13 @@ def test_hanging_item_is_killed_scored_minus_one_and_worker_replaced():
 @pytest.mark.slow
 def test_grader_workers_do_not_load_torch():
     with Grader(num_workers=1) as grader:
-        grader.grade(["\\boxed{0.5}"], ["1/2"])  # the worker has run verifier.py and graded
+        grader.grade(["\\boxed{0.5}"], ["1/2"])  # the worker has run reward.py and graded
         maps = Path(f"/proc/{grader.workers[0].proc.pid}/maps")
         if not maps.exists():
             pytest.skip("needs /proc")
         assert "libtorch" not in maps.read_text()
-    out = subprocess.run([sys.executable, "-c", "import verifier, sys; print('torch' in sys.modules)"],
-                         cwd=os.path.dirname(verifier.__file__), capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", "import reward, sys; print('torch' in sys.modules)"],
+                         cwd=os.path.dirname(reward.__file__), capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
 
@@ -151,16 +151,16 @@ def test_rule_reward_bounds_its_own_time_on_answers_that_hang_math_verify():
     In a subprocess, so that an unbounded rule_reward fails the test instead of hanging it."""
     code = """
 import sys, time
-import verifier
+import reward
 hostile = ["\\\\boxed{9^{9^{9}}}", "\\\\boxed{9^{9^{9^{9}}}}", "\\\\boxed{" + "{" * 10_000 + "1" + "}" * 10_000 + "}",
            "\\\\boxed{" + "+".join(["1"] * 500_000) + "}", "\\\\boxed{" + "(" * 3000 + "1" + ")" * 3000 + "}"]
-assert verifier.rule_reward("\\\\boxed{\\\\frac12}", "0.5") == 1.0  # its worker is up
+assert reward.rule_reward("\\\\boxed{\\\\frac12}", "0.5") == 1.0  # its worker is up
 for answer in hostile:
     t0 = time.monotonic()
-    assert verifier.rule_reward(answer, "1", timeout_s=1.0) == -1.0
+    assert reward.rule_reward(answer, "1", timeout_s=1.0) == -1.0
     print(time.monotonic() - t0)
 """
-    done = subprocess.run([sys.executable, "-c", code], cwd=Path(verifier.__file__).parent, capture_output=True,
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(reward.__file__).parent, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     # The 1 s timeout, plus the start of the worker that replaces a killed one (~2 s on a busy CPU).
@@ -184,7 +184,7 @@ def test_unicode_digits_are_left_to_math_verify_which_reads_no_number():
     """Decided: digits are ASCII. The fast path must not grade `١٢٣٤` (Arabic-Indic) or `１２３４`
     (full-width) equal to 1234 when math-verify, which decides everything else, does not."""
     for answer in ("١٢٣٤", "１２３４"):
-        assert verifier._fast_verdict(answer, "1234") is None and not verifier._math_equal(answer, "1234")
+        assert reward._fast_verdict(answer, "1234") is None and not reward._math_equal(answer, "1234")
         assert rule_reward(f"\\boxed{{{answer}}}", "1234") == -1.0
         assert rule_reward(f"\\boxed{{{answer}}}", answer) == 1.0  # written as the ground truth is
 

@@ -1,4 +1,5 @@
-"""The rule-based verifier (paper §4 setup): the paper's only training reward.
+"""The reward (paper §4 setup, §3.1): a rule-based verifier's +-1, the only training reward, placed
+on the last token of the response.
 
 - `rule_reward`: +1 if the last `\\boxed{}` / `\\fbox{}` of the response is mathematically equivalent
   to the ground truth (math-verify), else -1: the outcome of a response. Digits are ASCII:
@@ -7,8 +8,12 @@
 - `Grader`: the same outcome for a batch, in worker processes with a hard per-item timeout, because
   math-verify can hang (its own timeout is signal-based, main-thread only, and cannot interrupt
   C-level big-integer arithmetic such as `9^{9^{9^{9}}}`).
+- `response_outcomes` and `terminal_rewards`: the outcome of each response (a cut one may get a
+  reward of its own) and its place in the token-level MDP of §3.1: on the last response token,
+  0 elsewhere, so that the return from every token is the outcome (gamma = 1).
 
-No torch here: each grader worker runs this file as its own program and stays light.
+No torch import here: each grader worker runs this file as its own program and stays light; the
+placement works with the methods of the tensors it is given.
 """
 
 from __future__ import annotations
@@ -268,6 +273,25 @@ class Grader:
             todo.extendleft(reversed(w.pending))
         self.workers[self.workers.index(w)] = _Worker()
         return lost
+
+
+# --- the outcome as a reward of the token-level MDP (§3.1) ---------------------------------------
+
+
+def response_outcomes(verdicts, truncated, truncation_reward: float | None):
+    """[B] float: each response's verdict (+-1, a float tensor), or `truncation_reward` for a response
+    cut at max_new_tokens (`truncated`, a list of bools) when that is set."""
+    if truncation_reward is None:
+        return verdicts
+    return verdicts.masked_fill(verdicts.new_tensor(truncated, dtype=bool), float(truncation_reward))
+
+
+def terminal_rewards(outcomes, response_mask):
+    """[B, T] token rewards: outcomes[b] on response b's last token t = L_b - 1, 0 elsewhere."""
+    rewards = response_mask.new_zeros(response_mask.shape)
+    last = response_mask.sum(-1).long() - 1
+    rewards[last.new_tensor(list(range(len(last)))), last] = outcomes
+    return rewards
 
 
 if __name__ == "__main__":  # a grader worker (`_Worker`): argv[1] is its end of the socket pair
