@@ -78,7 +78,7 @@ class Args:
     jobs: int = 2
     """train.py processes at once (each uses --threads torch threads)"""
     read_only: bool = False
-    """only read finished runs; never start train.py"""
+    """only read finished runs, never start train.py; an arm reports the seeds that finished"""
 
 
 def offset_name(offset: float) -> str:
@@ -191,7 +191,7 @@ def stat(values: list) -> tuple[float, float]:
 
 
 def goals(m: dict, offset: float) -> list[str]:
-    """The issue's goal, checked seed by seed (the table says each number)."""
+    """The goal, checked seed by seed (the table says each number)."""
     runs, lines = m["runs"], []
     if "ppo" in runs:
         ok = [r["length_ratio"] <= 0.6 and r["acc_ratio"] <= 0.5 for r in runs["ppo"]]
@@ -203,9 +203,10 @@ def goals(m: dict, offset: float) -> list[str]:
         lines.append(f"VC-PPO from the same offset holds (length ratio >= 0.85, accuracy ratio >= 0.8, final pass@1 >= "
                      f"pi_SFT's): {sum(ok)} of {len(ok)} seeds")
     dose = sorted((a for a in runs if a == "ppo" or a.startswith("ppo-offset")), key=lambda a: m["offsets"][a])
-    if len(dose) > 1:
-        for i, seed in enumerate(m["seeds"]):
-            ratios = [runs[a][i]["length_ratio"] for a in dose]
+    for seed in m["seeds"]:
+        ratio = {a: r["length_ratio"] for a in dose for r in runs[a] if r["seed"] == seed}
+        if len(ratio) == len(dose) > 1:
+            ratios = list(ratio.values())
             rising = all(a <= b for a, b in zip(ratios, ratios[1:]))
             offsets = " ".join(f"{m['offsets'][a]:+g}" for a in dose)
             lines.append(f"seed {seed}: length ratio by offset {offsets}: "
@@ -214,11 +215,15 @@ def goals(m: dict, offset: float) -> list[str]:
 
 
 def measure(runs: dict[str, list[ablation.Run]], offset: float) -> dict:
-    m = {"offset": offset, "seeds": [r.seed for r in next(iter(runs.values()))],
+    """Every finished run's numbers, by arm (an arm with no finished run is left out)."""
+    runs = {arm: [r for r in rs if r.done] for arm, rs in runs.items()}
+    runs = {arm: rs for arm, rs in runs.items() if rs}
+    m = {"offset": offset, "seeds": sorted({r.seed for rs in runs.values() for r in rs}),
          "offsets": {arm: arm_flags(offset)[arm][1] for arm in runs},
          "runs": {arm: [measure_run(ablation.load(r)) for r in rs] for arm, rs in runs.items()},
          "reward_models": reward_model_quality(runs)}
-    m["sft_acc"] = stat([r["sft_acc"] for r in next(iter(m["runs"].values()))])[0]  # one pi_SFT score per seed
+    sft = {r["seed"]: r["sft_acc"] for rows in m["runs"].values() for r in rows}  # one pi_SFT score per seed
+    m["sft_acc"] = stat(list(sft.values()))[0]
     m["goals"] = goals(m, offset)
     return m
 
@@ -300,11 +305,12 @@ def markdown(m: dict, runs: dict[str, list[ablation.Run]]) -> str:
              f"step's; accuracy ratio: lowest {WINDOW}-step mean of training accuracy over pi_SFT's held-out pass@1 "
              f"({m['sft_acc']:.3f}). Recovery: steps from the trough back to {RECOVERED} of the first length, per "
              f"seed (0: never fell below it; -: not within the run).", "",
-             "| arm | initial error (all) | (first quarter) | step-0 advantage, last token | (other tokens) "
-             "| length ratio | accuracy ratio | recovery (steps) | final pass@1 |", "|---|---|---|---|---|---|---|---|---|"]
+             "| arm | seeds | initial error (all) | (first quarter) | step-0 advantage, last token | (other tokens) "
+             "| length ratio | accuracy ratio | recovery (steps) | final pass@1 |", "|---|---|---|---|---|---|---|---|---|---|"]
     order = sorted(m["runs"], key=lambda a: (a.startswith("ppo-offset"), m["offsets"].get(a) or 0))
     for arm in order:
-        lines.append(f"| {label(m, arm)} | {pm(arm, 'initial_error', signed=True)} | "
+        seeds = ",".join(str(r["seed"]) for r in m["runs"][arm])
+        lines.append(f"| {label(m, arm)} | {seeds} | {pm(arm, 'initial_error', signed=True)} | "
                      f"{pm(arm, 'initial_error_first_quarter', signed=True)} | "
                      f"{pm(arm, 'first_step_advantage_last_token', signed=True)} | "
                      f"{pm(arm, 'first_step_advantage_other_tokens', signed=True)} | {pm(arm, 'length_ratio')} | "
@@ -326,7 +332,7 @@ def markdown(m: dict, runs: dict[str, list[ablation.Run]]) -> str:
     if walls:
         lines.append(f"train.py time per run: median {np.median(walls):.0f} s, {min(walls):.0f}-{max(walls):.0f} s "
                      f"over {len(walls)} runs (two at a time on two cores).")
-    lines += ["", "Runs: " + ", ".join(str(r.dir) for rs in runs.values() for r in rs), "", summary_line(m), ""]
+    lines += ["", "Runs: " + ", ".join(str(r.dir) for rs in runs.values() for r in rs if r.done), "", summary_line(m), ""]
     return "\n".join(lines)
 
 
@@ -335,9 +341,9 @@ def main(args: Args, train_flags: list[str]) -> dict:
     wall = 0.0
     if not args.read_only:
         wall, _ = ablation.run_grid([r for rs in runs.values() for r in rs], args.jobs, args.out_dir)
-    missing = [str(r.dir / "train.log") for rs in runs.values() for r in rs if not r.done]
-    if missing:
-        raise SystemExit(f"error: run(s) did not finish, see {', '.join(missing)}")
+    missing = [r.dir for rs in runs.values() for r in rs if not r.done]
+    if missing and (not args.read_only or len(missing) == sum(map(len, runs.values()))):
+        raise SystemExit(f"error: run(s) did not finish, see {', '.join(str(d / 'train.log') for d in missing)}")
     m = measure(runs, args.offset)
     m["wall_s"] = wall
     args.out.mkdir(parents=True, exist_ok=True)
@@ -345,6 +351,8 @@ def main(args: Args, train_flags: list[str]) -> dict:
     (args.out / "collapse.md").write_text(markdown(m, runs))
     (args.out / "collapse.json").write_text(json.dumps(m, indent=1))
     print((args.out / "collapse.md").read_text())
+    for run_dir in missing:
+        print(f"not finished, left out: {run_dir}")
     if wall:
         print(f"ran the missing runs in {wall:.0f} s of wall time")
     print(f"wrote {args.out}/collapse.png, collapse.md and collapse.json")

@@ -97,15 +97,26 @@ def test_reads_the_runs_checks_the_goals_and_prints_the_summary_line_last(tmp_pa
     assert m["goals"][2].startswith("seed 0: length ratio by offset -3 -2 -1 +0 +1: 0.17 0.47 0.83 1.00 1.03 (rises")
     assert "0.83 0.67 1.03 (does NOT rise" in m["goals"][3]
     md = (tmp_path / "out" / "collapse.md").read_text()
-    assert "| ppo (offset -2) | -1.400 ± 0.000 | -1.500 ± 0.000 | +1.000 ± 0.000 | +0.200 ± 0.000 | 0.467 ± 0.000 " in md
-    assert "| grpo | - | - | - | - | 1.057 ± 0.000 |" in md
+    assert "| ppo (offset -2) | 0,1 | -1.400 ± 0.000 | -1.500 ± 0.000 | +1.000 ± 0.000 | +0.200 ± 0.000 | 0.467 ± 0.000 " in md
+    assert "| grpo | 0,1 | - | - | - | - | 1.057 ± 0.000 |" in md
     assert math.isclose(json.loads((tmp_path / "out" / "collapse.json").read_text())["sft_acc"], 0.25)
     assert (tmp_path / "out" / "collapse.png").stat().st_size > 0
 
 
-def test_runs_that_did_not_finish_are_a_clear_error(tmp_path):
+def test_read_only_leaves_out_what_did_not_finish_and_stops_when_nothing_did(tmp_path, capsys):
+    args = collapse.Args(out=tmp_path / "out", out_dir=str(tmp_path), arms=("ppo", "vc-ppo"), seeds=(0, 1),
+                         read_only=True)
     with pytest.raises(SystemExit, match="did not finish"):
-        collapse.main(collapse.Args(out_dir=str(tmp_path), arms=("ppo",), read_only=True), [])
+        collapse.main(args, [])
+    runs = collapse.plan(args, [])
+    fake_run(runs["ppo"][0], [600, 300], [0.2, 0.1], error=-1.0, final=0.1)
+    fake_run(runs["ppo"][1], [600, 150], [0.2, 0.1], error=-1.0, final=0.3)  # ratios 450 / 600 and 375 / 600
+    fake_run(runs["vc-ppo"][1], [600, 600], [0.2, 0.2], error=0.0, final=0.3)
+    m = collapse.main(args, [])
+    out = capsys.readouterr().out
+    assert f"not finished, left out: {runs['vc-ppo'][0].dir}" in out
+    assert [r["seed"] for r in m["runs"]["vc-ppo"]] == [1] and m["seeds"] == [0, 1]
+    assert out.strip().splitlines()[-1].startswith("collapse offset=-2 ppo_length_ratio=0.688 vcppo_length_ratio=1.000")
 
 
 @pytest.mark.slow
