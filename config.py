@@ -44,11 +44,21 @@ class Config:
     model: str | None = None
     """pi_SFT checkpoint (Hugging Face format); None: build one with the built-in task's SFT stage"""
     data: str | None = None
-    """prompts + answers (JSONL or Parquet); None: the built-in task"""
+    """prompts + answers: a .jsonl, .json or .parquet file, a folder of them, or a glob (quote it:
+    'data/train-*.parquet'); verl's and TRL's layouts read as they are (data.py); None: the built-in task"""
+    val_data: tuple[str, ...] | None = None
+    """held-out sets of their own (files, folders or globs, as --data; e.g. MATH-500 and AIME), reported
+    per data source; then --data is not split. None: --eval-fraction of --data is held out"""
     prompt_key: str = "prompt"
-    """field holding the prompt in --data"""
+    """field holding the prompt (text, or a list of chat messages); a dotted key reads a nested field"""
     answer_key: str = "answer"
-    """field holding the ground-truth answer in --data"""
+    """field holding the ground-truth answer, e.g. `reward_model.ground_truth` for verl's files"""
+    answer_format: Literal["gsm8k", "math"] | None = None
+    """gold answers: `gsm8k` (the final number after '####'), `math` (as written: its last \\boxed{}
+    if any); None: `gsm8k` for answers holding '####', else `math`. Responses are graded by their last \\boxed{}"""
+    prompt_template: str | None = None
+    """rewrites each --data / --val-data prompt (the last user turn of a message list): '{prompt}' stands for
+    it, e.g. '{prompt} Please reason step by step, and put your final answer within \\boxed{}.'"""
     skip_bad_records: bool = False
     """skip (and count) malformed records of --data instead of stopping with an error"""
     max_prompt_tokens: int = 512
@@ -162,8 +172,18 @@ class Config:
     # --- evaluation and checkpoints
     eval_samples: int = 4
     """samples per held-out prompt; reports pass@1 and pass@k for k = eval_samples"""
+    eval_every: int | None = None
+    """evaluate the held-out set every N PPO steps into metrics.jsonl and TensorBoard (val/<data source>/...);
+    None: before PPO (eval_sft.json) and at the end only"""
+    eval_temperature: float | None = None
+    """sampling temperature of held-out evaluation; None: --temperature"""
+    eval_max_new_tokens: int | None = None
+    """response length limit of held-out evaluation; None: --max-new-tokens"""
     save_every: int = 10
     """checkpoint every N PPO steps (and at the end)"""
+    save_hf_every: int | None = None
+    """also export the actor in Hugging Face format every N PPO steps, to <run>/actor_hf_steps/step_<N>/;
+    the final actor always goes to <run>/actor_hf/"""
 
     # --- scale (FSDP2)
     mixed_precision: bool = False
@@ -237,8 +257,18 @@ class Config:
             "max_new_tokens": (self.max_new_tokens >= 1, ">= 1"),
             "temperature": (self.temperature > 0, "> 0"),
             "top_p": (0.0 < self.top_p <= 1.0, "in (0, 1]"),
-            "data": (self.data is None or (self.model is not None and os.path.isfile(self.data)),
-                     "an existing file, with --model: the built-in pi_SFT knows only the built-in task"),
+            "data": (self.data is None or (self.model is not None and _names_files(self.data)),
+                     "a file, a folder of .json/.jsonl/.parquet files or a glob matching files, with --model: "
+                     "the built-in pi_SFT knows only the built-in task"),
+            "val_data": (self.val_data is None or (self.data is not None and bool(self.val_data)
+                                                   and all(map(_names_files, self.val_data))),
+                         "files, folders or globs matching files, with --data"),
+            "prompt_template": (self.prompt_template is None or (self.data is not None and "{prompt}" in self.prompt_template),
+                                "a text holding '{prompt}', with --data"),
+            "eval_every": (self.eval_every is None or self.eval_every >= 1, ">= 1, or unset"),
+            "eval_temperature": (self.eval_temperature is None or self.eval_temperature > 0, "> 0, or unset"),
+            "eval_max_new_tokens": (self.eval_max_new_tokens is None or self.eval_max_new_tokens >= 1, ">= 1, or unset"),
+            "save_hf_every": (self.save_hf_every is None or self.save_hf_every >= 1, ">= 1, or unset"),
             "max_prompt_tokens": (self.max_prompt_tokens >= 1, ">= 1"),
             "task_difficulty": self._task_difficulty_check(),
             "task_train_size": (self.task_train_size >= 1, ">= 1"),
@@ -293,6 +323,16 @@ PRESETS = {
         mixed_precision=True, activation_checkpointing=True,
     ),
 }
+
+
+def _names_files(spec: str) -> bool:
+    """Whether a --data / --val-data value names at least one file (data.data_files)."""
+    import data
+
+    try:
+        return bool(data.data_files(spec))
+    except data.DataError:
+        return False
 
 
 def check_settings(where: str, stored: dict, wanted: dict, ignore=(), remedy: str = "delete it") -> None:

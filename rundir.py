@@ -7,6 +7,8 @@ The run directory, <out_dir>/<run_name>/:
     eval_sft.json   pi_SFT's held-out scores, computed once (`evaluate.evaluate_once`).
     metrics.jsonl   one row per PPO step, plus TensorBoard events (`MetricsLog`).
     checkpoint/     actor, critic, optimizers, schedulers and step (`save` / `resume`).
+    actor_hf/       the final actor in Hugging Face format, tokenizer included (train.export_actor;
+                    actor_hf_steps/step_<N>/ with --save-hf-every).
     value_pretrain  a link to the value-pretrained critic and its curve, a stage shared by the runs
                     that pretrain the same critic (`build_shared`, below).
     summary.json    pi_SFT's and the final policy's scores (train.py).
@@ -38,8 +40,8 @@ STAGE_SETTINGS = "settings.json"  # in a cached stage's directory: what it was b
 # What may differ between a run directory's config.json and a rerun or --resume of it: the run's
 # length, and how it runs (memory savers and throughput levers too, to resume a run that ran out of
 # memory or time).
-MAY_CHANGE = ("resume", "threads", "steps", "save_every", "grader_workers", "grader_timeout_s",
-              "micro_batch_size", "activation_checkpointing", "cpu_offload", "gpu_memory_utilization",
+MAY_CHANGE = ("resume", "threads", "steps", "save_every", "save_hf_every", "eval_every", "grader_workers",
+              "grader_timeout_s", "micro_batch_size", "activation_checkpointing", "cpu_offload", "gpu_memory_utilization",
               "checkpoint_fraction", "micro_batch_tokens", "logprob_chunk_tokens", "compile_layers")
 # What a rerun takes from the run directory instead of computing it again: never without the
 # config.json that says which settings made it.

@@ -31,7 +31,7 @@ import rundir
 from config import Config, ConfigError, launch_world_size, parse_config
 from critic import check_orm, critic_loss, load_value_model, prepare_orm, response_values
 from data import DataError, prepare_data, sample_prompts, stream_seed
-from evaluate import evaluate, evaluate_once
+from evaluate import eval_sampler, evaluate, evaluate_once, val_metrics
 from gae import decoupled_gae, grpo_advantages, length_adaptive_lambda
 from ppo import aggregate_loss, assert_finite, check_masked_inputs, entropy_from_logits, explained_variance
 from ppo import kl_penalty, masked_mean, masked_whiten, micro_batched_forward, policy_loss, response_logprobs
@@ -228,8 +228,17 @@ def build_engine(cfg, actor, path: str, tokenizer):
     if cfg.rollout == "hf":
         return HFRollout(actor, tokenizer)
     return VLLMRollout(path, tokenizer, tensor_parallel_size=cfg.tensor_parallel_size,
-                       max_model_len=cfg.max_prompt_tokens + cfg.max_new_tokens,
+                       max_model_len=cfg.max_prompt_tokens + max(cfg.max_new_tokens, cfg.eval_max_new_tokens or 0),
                        gpu_memory_utilization=cfg.gpu_memory_utilization, seed=cfg.seed)
+
+
+def export_actor(cfg, actor, tokenizer, path: str) -> None:
+    """The actor as a Hugging Face checkpoint with its tokenizer, which `from_pretrained`, vLLM and
+    evaluation harnesses open as they are: streamed from the shards (`checkpoints.export_hf_checkpoint`,
+    a collective: every rank calls it), in bf16 when the run computes in bf16, else fp32."""
+    if fsdp_utils.is_main():
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    checkpoints.export_hf_checkpoint(actor, tokenizer, path, dtype=torch.bfloat16 if cfg.mixed_precision else None)
 
 
 def print_plan(cfg: Config) -> None:
@@ -274,7 +283,8 @@ def main(cfg: Config) -> dict:
     models = {"actor": load_actor(cfg, sft_path, dist_info)}
     sampler = Sampler(cfg, build_engine(cfg, models["actor"], sft_path, tokenizer), tokenizer, grader)
     run_dir = rundir.prepare(cfg)
-    summary = {"sft": evaluate_once(sampler, eval_records, "sft", os.path.join(run_dir, "eval_sft.json"))}
+    evaluator = eval_sampler(sampler)
+    summary = {"sft": evaluate_once(evaluator, eval_records, "sft", os.path.join(run_dir, "eval_sft.json"))}
     if cfg.estimator == "gae":  # GRPO has no critic
         critic_init = sft_path if cfg.critic_init == "sft" else prepare_orm(cfg, sft_path, sampler, train_records)
         models["critic"], pretrained = prepare_value_critic(cfg, run_dir, critic_init, sampler, train_records,
@@ -293,6 +303,7 @@ def main(cfg: Config) -> dict:
     log = rundir.MetricsLog(run_dir, keep_up_to_step=start - 1)
 
     bar = tqdm(range(start, cfg.steps), desc="PPO", dynamic_ncols=True, disable=not fsdp_utils.is_main())
+    final = None  # the held-out scores after the last step
     for step in bar:
         try:
             metrics = ppo_step(cfg, step, sampler, train_records, models, optimizers, reference)
@@ -300,15 +311,24 @@ def main(cfg: Config) -> dict:
         except FloatingPointError as err:  # a diverged model: say so, and what is left to resume from
             raise FloatingPointError(f"PPO step {step}: {err}; stopped: the model diverged. "
                                      f"{rundir.last_checkpoint(run_dir)}") from None
+        metrics["actor/lr"] = schedulers[0].get_last_lr()[0]  # the rate this step's updates used
         for scheduler in schedulers:
             scheduler.step()
         sampler.engine.sync_weights(models["actor"])
+        last = step + 1 == cfg.steps
+        if last or cfg.eval_every and (step + 1) % cfg.eval_every == 0:
+            result = evaluate(evaluator, eval_records, f"step {step}")
+            metrics |= val_metrics(result)
+            final = result if last else None
         log.write(step, metrics)
         bar.set_postfix(acc=f"{metrics['reward/accuracy']:.2f}", len=f"{metrics['response_length/mean']:.0f}")
-        if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
+        if (step + 1) % cfg.save_every == 0 or last:
             rundir.save(cfg, run_dir, step, models, optimizers, schedulers)
+        if cfg.save_hf_every and (step + 1) % cfg.save_hf_every == 0 and not last:
+            export_actor(cfg, models["actor"], tokenizer, os.path.join(run_dir, "actor_hf_steps", f"step_{step + 1}"))
 
-    summary["ppo"] = evaluate(sampler, eval_records, "ppo")
+    summary["ppo"] = final or evaluate(evaluator, eval_records, "ppo")
+    export_actor(cfg, models["actor"], tokenizer, os.path.join(run_dir, "actor_hf"))
     grader.close()
     if fsdp_utils.is_main():
         rundir.write_json(os.path.join(run_dir, "summary.json"), summary)
@@ -331,8 +351,8 @@ def print_summary(summary: dict, run_dir: str) -> None:
         ev = "undefined (all returns equal)" if ev is None or math.isnan(ev) else f"{ev:.3f}"
         print(f"value pretraining: final value loss {vp['value_loss']:.4f}, "
               f"explained variance {ev} after {vp['step'] + 1} steps")
-    print(f"\nwrote {run_dir}/: config.json, metrics.jsonl, TensorBoard events, checkpoint/, eval_sft.json, "
-          f"summary.json")
+    print(f"\nwrote {run_dir}/: config.json, metrics.jsonl, TensorBoard events, checkpoint/, actor_hf/ (the final "
+          f"policy in Hugging Face format), eval_sft.json, summary.json")
 
 
 if __name__ == "__main__":

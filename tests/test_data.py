@@ -119,7 +119,8 @@ def test_unreadable_parquet_and_empty_splits_are_data_errors(tmp_path):
     with pytest.raises(DataError, match=r"d\.parquet: not a readable Parquet file"):
         load_records(tmp_path / "d.parquet", char_tokenizer())
     cfg = SimpleNamespace(data=str(write_jsonl(tmp_path / "d.jsonl", GOOD)), prompt_key="prompt",
-                          answer_key="answer", max_prompt_tokens=64, skip_bad_records=False, eval_fraction=0.1)
+                          answer_key="answer", max_prompt_tokens=64, skip_bad_records=False, eval_fraction=0.1,
+                          val_data=None, prompt_template=None, answer_format=None)
     with pytest.raises(DataError, match="3 records leave 3 for training and 0 held out"):
         prepare_data(cfg, char_tokenizer())  # round(3 * 0.1) = 0 held out
 
