@@ -53,6 +53,10 @@ class Config:
     """field holding the prompt (text, or a list of chat messages); a dotted key reads a nested field"""
     answer_key: str = "answer"
     """field holding the ground-truth answer, e.g. `reward_model.ground_truth` for verl's files"""
+    val_prompt_key: str | None = None
+    """--prompt-key of --val-data, when its layout differs (GSM8K's `question`); None: --prompt-key"""
+    val_answer_key: str | None = None
+    """--answer-key of --val-data; None: --answer-key"""
     answer_format: Literal["gsm8k", "math"] | None = None
     """gold answers: `gsm8k` (the final number after '####'), `math` (as written: its last \\boxed{}
     if any); None: `gsm8k` for answers holding '####', else `math`. Responses are graded by their last \\boxed{}"""
@@ -263,6 +267,8 @@ class Config:
             "val_data": (self.val_data is None or (self.data is not None and bool(self.val_data)
                                                    and all(map(_names_files, self.val_data))),
                          "files, folders or globs matching files, with --data"),
+            "val_prompt_key": (self.val_prompt_key is None or self.val_data is not None, "unset without --val-data"),
+            "val_answer_key": (self.val_answer_key is None or self.val_data is not None, "unset without --val-data"),
             "prompt_template": (self.prompt_template is None or (self.data is not None and "{prompt}" in self.prompt_template),
                                 "a text holding '{prompt}', with --data"),
             "eval_every": (self.eval_every is None or self.eval_every >= 1, ">= 1, or unset"),

@@ -160,9 +160,10 @@ def _json_rows(path: Path) -> Iterator[tuple[str, object]]:
         return
     try:
         records = json.loads(path.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        at = f" at line {e.lineno} column {e.colno}" if isinstance(e, json.JSONDecodeError) else ""
-        raise DataError(f"{path}: malformed JSON array ({getattr(e, 'msg', e.reason)}{at})") from None
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}: malformed JSON array ({e.msg} at line {e.lineno} column {e.colno})") from None
     for i, record in enumerate(records, start=1):
         yield f"{path}: record {i}", record
 
@@ -319,9 +320,10 @@ def prepare_data(cfg, tokenizer) -> tuple[list[dict], list[dict]]:
             problems = task.make_problems(n, seed, *task_difficulty(cfg), width)
             records[split] = [{**p, "prompt_ids": encode_prompt(tokenizer, p["prompt"])} for p in problems]
         return records["train"], records["eval"]
-    records = _load(cfg, cfg.data, tokenizer)
+    records = _load(cfg, cfg.data, tokenizer, cfg.prompt_key, cfg.answer_key)
     if cfg.val_data:  # a held-out set of its own: the training data is not split
-        return records, [r for spec in cfg.val_data for r in _load(cfg, spec, tokenizer)]
+        keys = (cfg.val_prompt_key or cfg.prompt_key, cfg.val_answer_key or cfg.answer_key)
+        return records, [r for spec in cfg.val_data for r in _load(cfg, spec, tokenizer, *keys)]
     train, held_out = train_eval_split(records, cfg.eval_fraction, seed=0)
     if not train or not held_out:
         raise DataError(f"--data {cfg.data}: {len(records)} records leave {len(train)} for training and "
@@ -329,9 +331,9 @@ def prepare_data(cfg, tokenizer) -> tuple[list[dict], list[dict]]:
     return train, held_out
 
 
-def _load(cfg, spec: str, tokenizer) -> list[dict]:
-    """The records of one --data or --val-data value, with the run's keys, template and answer format."""
-    records, stats = load_records(spec, tokenizer, cfg.prompt_key, cfg.answer_key, cfg.max_prompt_tokens,
+def _load(cfg, spec: str, tokenizer, prompt_key: str, answer_key: str) -> list[dict]:
+    """The records of one --data or --val-data value, with the run's template and answer format."""
+    records, stats = load_records(spec, tokenizer, prompt_key, answer_key, cfg.max_prompt_tokens,
                                   "skip" if cfg.skip_bad_records else "raise", cfg.prompt_template, cfg.answer_format)
     print(f"data: {stats.loaded} records from {spec} ({stats.skipped_malformed} malformed skipped, "
           f"{stats.dropped_too_long} over {cfg.max_prompt_tokens} tokens dropped)")

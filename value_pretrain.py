@@ -38,7 +38,7 @@ PPO_ONLY = ("run_name", "out_dir", "resume", "plan", "steps", "lam_actor", "lam_
             "kl_estimator", "entropy_coef", "eval_every", "eval_temperature", "eval_max_new_tokens", "save_hf_every")
 # Data settings added after critics had been pretrained and shared: left out of the key while unset,
 # so that those critics are still found.
-KEYED_WHEN_SET = ("val_data", "prompt_template", "answer_format")
+KEYED_WHEN_SET = ("val_data", "val_prompt_key", "val_answer_key", "prompt_template", "answer_format")
 
 
 def pretrain_settings(cfg) -> dict:
