@@ -122,6 +122,59 @@ def test_the_actor_alone_is_read_from_a_checkpoint_as_the_whole_restore_reads_it
         strategies.main(strategies.Args(runs=(stopped,), problems=3, out=tmp_path / "refused"))
 
 
+# A chat template for the built-in tokenizer, which has none (its alphabet keeps the digits and the newlines).
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}=\n{% endif %}"
+FORMATS = ROOT / "tests" / "data" / "formats"
+
+
+def test_a_users_verl_and_gsm8k_files_train_and_the_exported_actor_gives_the_trainers_logits(out_dir, sft,
+                                                                                          tmp_path):
+    """Issue 30: a verl parquet file (chat-message prompts through the chat template, the nested
+    ground truth) trains, a GSM8K JSONL file ('#### <number>' answers) is the held-out set,
+    evaluated at every step at its own temperature and length into metrics.jsonl and TensorBoard,
+    and the actor leaves in Hugging Face format: `from_pretrained` gives the trainer's logits."""
+    import torch
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from data import encode_prompt
+
+    model = tmp_path / "chat-model"  # pi_SFT as a user's model: with a chat template
+    shutil.copytree(sft, model)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(model)
+    template = "{prompt} Please reason step by step, and put your final answer within \\boxed{}."
+    cfg = micro_config(out_dir, "--run-name", "users-data", "--model", str(model), "--steps", "2",
+                       "--value-pretrain-steps", "0", "--data", str(FORMATS / "verl.parquet"),
+                       "--answer-key", "reward_model.ground_truth", "--val-data", str(FORMATS / "gsm8k.jsonl"),
+                       "--val-prompt-key", "question", "--val-answer-key", "answer", "--eval-every", "1", "--eval-temperature", "0.7",
+                       "--eval-max-new-tokens", "12", "--save-hf-every", "1", "--prompt-template", template)
+    summary = train.main(cfg)
+    run_dir = out_dir / "users-data"
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [0, 1] and all(r["actor/lr"] == 5e-5 for r in rows)
+    val = [{k.removeprefix("val/gsm8k/"): v for k, v in r.items() if k.startswith("val/")} for r in rows]
+    assert all(v.keys() == {"pass@1", "pass@2", "mean_length", "truncated"} for v in val)
+    assert all(1 <= v["mean_length"] <= 12 for v in val) and max(r["response_length/max"] for r in rows) > 12
+    assert summary["ppo"]["by_source"]["gsm8k"] == pytest.approx(val[1])  # the end's scores, logged at the last step
+    events = EventAccumulator(str(run_dir))
+    events.Reload()
+    assert [e.step for e in events.Scalars("val/gsm8k/pass@1")] == [0, 1]
+    assert json.loads((run_dir / "config.json").read_text())["prompt_template"] == template
+    assert (run_dir / "actor_hf_steps" / "step_1" / "model.safetensors").exists()  # --save-hf-every 1; step 2: actor_hf
+
+    exported = AutoModelForCausalLM.from_pretrained(run_dir / "actor_hf")
+    assert AutoTokenizer.from_pretrained(run_dir / "actor_hf").chat_template == CHAT_TEMPLATE
+    trainer = AutoModelForCausalLM.from_pretrained(model)
+    checkpoints.load_model_weights(checkpoints.latest_checkpoint(str(run_dir / "checkpoint")), "actor", trainer)
+    ids = torch.tensor([encode_prompt(tokenizer, "12*2^c=?")])
+    with torch.no_grad():
+        logits = exported(ids).logits
+        assert torch.equal(logits, trainer(ids).logits)
+        assert not torch.allclose(logits, AutoModelForCausalLM.from_pretrained(model)(ids).logits)  # PPO moved it
+
+
 class EasyProblemGrader:
     """+1 for the easiest problems (difficulty 1), -1 for the others: an outcome that varies across
     prompts and that a critic can learn from the prompt alone, whatever the policy writes."""
