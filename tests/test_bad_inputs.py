@@ -321,3 +321,46 @@ def test_unicode_digits_are_not_ascii_numbers():
 
     assert rule_reward("\\boxed{١٢٣٤}", "1234") == -1.0 and rule_reward("\\boxed{１２３４}", "1234") == -1.0
     assert rule_reward("\\boxed{１２３４}", "１２３４") == 1.0  # the ground truth's own text
+
+
+# 8. Users' data in the layouts of verl, TRL and GSM8K: one line each, nothing written --------------------
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    """Files that break each rule of a layout, one fault each (on the second record). Text prompts
+    elsewhere: pi_SFT's tokenizer has no chat template, which chat-message prompts need."""
+    root = tmp_path_factory.mktemp("layouts")
+
+    def jsonl(name, rows):
+        (root / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return str(root / name)
+
+    chat = lambda text: [{"role": "system", "content": "be brief"}, {"role": "user", "content": text}]  # noqa: E731
+    verl = lambda text, truth: {"data_source": "d", "prompt": text, "reward_model": {"ground_truth": truth}}  # noqa: E731
+    (root / "empty").mkdir()
+    return {
+        "no_user": jsonl("no_user.jsonl", [{"prompt": "1+1=", "answer": "2"}, {"prompt": chat("2+2=")[:1], "answer": "4"}]),
+        "nested": jsonl("nested.jsonl", [verl("1+1=", "2"), {"data_source": "d", "prompt": "2+2=",
+                                                            "reward_model": {"style": "rule"}}]),
+        "gsm8k": jsonl("gsm8k.jsonl", [{"question": "1+1=", "answer": "1+1 = 2\n#### 2"},
+                                       {"question": "2+2=", "answer": "2+2 is four\n#### four"}]),
+        "train": jsonl("train.jsonl", [{"prompt": "1+1=", "answer": "2"}] * 4),
+        "val_other_schema": jsonl("val.jsonl", [{"problem": "3+3=", "solution": "6"}]),
+        "empty_glob": str(root / "empty" / "*.parquet"),
+    }
+
+
+@pytest.mark.parametrize("case, flags, match", [
+    ("no_user", [], r"no_user\.jsonl:2: the chat messages in field 'prompt' have no user turn \(roles: system\)"),
+    ("nested", ["--answer-key", "reward_model.ground_truth"],
+     r"nested\.jsonl:2: missing field 'reward_model\.ground_truth'"),
+    ("gsm8k", ["--prompt-key", "question"], r"gsm8k\.jsonl:2: no number after '####' in the answer \(GSM8K format\)"),
+    ("train", ["--val-data", "{val_other_schema}"], r"val\.jsonl:1: missing field 'prompt'"),
+    ("empty_glob", [], r"--data = '.*empty/\*\.parquet' \(must be a file, a folder of .json/.jsonl/.parquet files or "
+                       r"a glob matching files"),
+])
+def test_users_data_faults_stop_with_one_line_and_write_nothing(out_dir, sft, layouts, case, flags, match):
+    flags = [f.format(**layouts) for f in flags]
+    refused(out_dir, "--run-name", "layouts", "--model", sft, "--data", layouts[case], *flags, *QUICK, match=match)
+    assert not (out_dir / "layouts").exists()
