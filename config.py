@@ -1,8 +1,8 @@
-"""The configuration of a VC-PPO run: one dataclass whose fields are `train.py`'s flags, its three
-presets (`tiny`: the built-in task on a CPU; `tiny-long`: its long version; `qwen2.5-32b`: the
-settings reported for the paper) and
-the parser that checks every value at start. The ablation switches of the paper are grouped under
-"VC-PPO switches"."""
+"""The configuration of a VC-PPO run: one dataclass whose fields are `train.py`'s flags, its
+presets (`tiny`: the built-in task on a CPU; `tiny-long`: its long version; `qwen2.5-1.5b` and
+`qwen2.5-7b`: the paper's method on one GPU and on one node; `qwen2.5-32b`: the settings reported
+for the paper) and the parser that checks every value at start. The ablation switches of the
+paper are grouped under "VC-PPO switches"."""
 
 from __future__ import annotations
 
@@ -24,9 +24,10 @@ class Config:
     """VC-PPO. Every field is a command-line flag (`--lam-actor 0.99`); `--preset` picks the defaults."""
 
     # --- general
-    preset: Literal["tiny", "tiny-long", "qwen2.5-32b"] = "tiny"
+    preset: Literal["tiny", "tiny-long", "qwen2.5-1.5b", "qwen2.5-7b", "qwen2.5-32b"] = "tiny"
     """defaults: `tiny` (built-in task, CPU, minutes), `tiny-long` (its long version, the paper's
-    regime: responses of hundreds of tokens) or `qwen2.5-32b` (the paper's settings)"""
+    regime: responses of hundreds of tokens), `qwen2.5-1.5b` (one 80 GB GPU), `qwen2.5-7b` (one
+    node of 8 x 80 GB GPUs) or `qwen2.5-32b` (the paper's settings, 2 x 8 H200)"""
     run_name: str | None = None
     """outputs go to <out_dir>/<run_name>/; None: <preset>__<critic_init>__seed<seed>"""
     out_dir: str = "runs"
@@ -318,6 +319,25 @@ PRESETS = {
         preset="tiny-long", task_length="long", max_new_tokens=600, sft_steps=2000,
         orm_batches=8, orm_steps=120, max_prompt_tokens=128,  # vLLM: 128 + 600 within the 1,024 positions
     ),
+    # The paper's method at the sizes users start with: its learning rates (actor 1e-6, critic 2e-6),
+    # lambdas, value pretraining and 8k responses, bf16 and colocated vLLM. The batch shrinks with the
+    # compute: 256 prompts on one GPU and 1,024 on 8, against the paper's 8,192 on 16 H200s, in
+    # mini-batches of 64 and 128 (verl's quickstart uses 64), so that a step stays minutes and still
+    # makes 4 to 8 optimizer steps. Each fits its target by --plan (README "Presets").
+    "qwen2.5-1.5b": Config(
+        preset="qwen2.5-1.5b", value_pretrain_steps=100, lam_actor=0.99, steps=500, prompts_per_step=256,
+        samples_per_prompt=1, num_minibatches=4, micro_batch_size=1, actor_lr=1e-6, critic_lr=2e-6,
+        lr_warmup_steps=10, rollout="vllm", max_new_tokens=8192, max_prompt_tokens=1024, gpu_memory_utilization=0.4,
+        eval_samples=4, eval_every=20, save_every=20, grader_workers=4, mixed_precision=True,
+        activation_checkpointing=True,
+    ),
+    "qwen2.5-7b": Config(
+        preset="qwen2.5-7b", value_pretrain_steps=100, lam_actor=0.99, steps=500, prompts_per_step=1024,
+        samples_per_prompt=1, num_minibatches=8, micro_batch_size=1, actor_lr=1e-6, critic_lr=2e-6,
+        lr_warmup_steps=10, rollout="vllm", max_new_tokens=8192, max_prompt_tokens=1024, gpu_memory_utilization=0.5,
+        eval_samples=8, eval_every=20, save_every=20, grader_workers=2, mixed_precision=True,
+        activation_checkpointing=True,
+    ),
     # Qwen2.5-32B after a short Long-CoT SFT, as in the paper; VAPO's PPO settings (actor lr 1e-6,
     # critic lr 2e-6, warm-up then constant, 8192 prompts x 1 sample, mini-batch 512), no KL term.
     "qwen2.5-32b": Config(
@@ -341,6 +361,18 @@ def _names_files(spec: str) -> bool:
         return False
 
 
+def _check_preset_chosen() -> None:
+    """--model on a GPU machine without --preset: refused, rather than trained silently with the CPU
+    toy's settings (actor lr 5e-5, HF generate, fp32). On a CPU the tiny settings are what a small
+    model wants (and what the tests use)."""
+    import torch
+
+    if torch.cuda.is_available():
+        raise ConfigError("--model on a GPU needs a --preset: qwen2.5-1.5b (one 80 GB GPU), qwen2.5-7b (one node "
+                          "of 8 x 80 GB GPUs) or qwen2.5-32b (2 x 8 H200); tiny and tiny-long are the CPU toy's "
+                          "settings (actor lr 5e-5, HF generate, fp32), and any flag overrides a preset's value")
+
+
 def check_settings(where: str, stored: dict, wanted: dict, ignore=(), remedy: str = "delete it") -> None:
     """ConfigError when something saved on disk (a run directory, a cached model) was made with other
     settings than `wanted`: reusing it would silently mix two experiments. Keys in `ignore` may
@@ -357,8 +389,11 @@ def check_settings(where: str, stored: dict, wanted: dict, ignore=(), remedy: st
 
 def launch_world_size(cfg: Config) -> int:
     """The world size this command was launched with, read before any process group exists:
-    torchrun's WORLD_SIZE; one process without torchrun, except that --plan then sizes 16 GPUs."""
-    return int(os.environ.get("WORLD_SIZE", 16 if cfg.plan else 1))
+    torchrun's WORLD_SIZE; one process without torchrun, except that --plan then sizes the preset's
+    target hardware (memory_plan.TARGETS: 16 GPUs for the paper's and the CPU presets)."""
+    import memory_plan
+
+    return int(os.environ.get("WORLD_SIZE", memory_plan.target(cfg.preset).gpus if cfg.plan else 1))
 
 
 def parse_config(argv: list[str], description: str | None = None) -> Config:
@@ -373,6 +408,8 @@ def parse_config(argv: list[str], description: str | None = None) -> Config:
     if preset not in PRESETS:
         raise ConfigError(f"--preset must be one of {sorted(PRESETS)}, got {preset!r}")
     cfg = tyro.cli(Config, default=PRESETS[preset], args=argv, description=description)
+    if cfg.model is not None and not cfg.plan and not any(a == "--preset" or a.startswith("--preset=") for a in argv):
+        _check_preset_chosen()
     cfg.validate(world_size=launch_world_size(cfg))
     if cfg.run_name is None:
         cfg = dataclasses.replace(cfg, run_name=f"{cfg.preset}__{cfg.critic_init}__seed{cfg.seed}")

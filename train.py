@@ -242,9 +242,11 @@ def export_actor(cfg, actor, tokenizer, path: str) -> None:
 
 
 def print_plan(cfg: Config) -> None:
-    """--plan: per-GPU and per-node host memory of this config at torchrun's world size (16 when
-    not under torchrun, nodes of LOCAL_WORLD_SIZE or 8 GPUs), then what it needs at 8 and 16 GPUs."""
-    shape = memory_plan.QWEN25_32B  # --plan without --model: the paper's model
+    """--plan: per-GPU and per-node host memory of this config at torchrun's world size (without
+    torchrun, the preset's target: memory_plan.TARGETS; nodes of LOCAL_WORLD_SIZE or 8 GPUs), then
+    what it needs at the target's, 8 and 16 GPUs."""
+    target = memory_plan.target(cfg.preset)
+    shape = target.model  # --plan without --model: the preset's model (the paper's for the CPU presets)
     if cfg.model is not None:  # only its config.json is read: no weights needed to plan
         check_model(cfg.model, weights=False)
         shape = memory_plan.ModelShape.from_config(AutoConfig.from_pretrained(cfg.model))
@@ -253,10 +255,12 @@ def print_plan(cfg: Config) -> None:
         micro_batch_tokens=cfg.micro_batch_tokens or cfg.micro_batch_size * (cfg.max_prompt_tokens + cfg.max_new_tokens),
         gpu_memory_utilization=cfg.gpu_memory_utilization, mixed_precision=cfg.mixed_precision,
         activation_checkpointing=cfg.activation_checkpointing, cpu_offload=cfg.cpu_offload,
-        gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", 8)), reference_policy=bool(cfg.kl_coef),
+        gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", 8)), gpu_gib=target.gpu_gib,
+        reference_policy=bool(cfg.kl_coef),
     )
+    print(f"target of --preset {cfg.preset}: {target.name} ({target.gpu_gib} GiB a GPU)")
     print(memory_plan.plan(shape, launch_world_size(cfg), **options))
-    print("\n".join(memory_plan.needs(shape, **options)))
+    print("\n".join(memory_plan.needs(shape, world_sizes=sorted({target.gpus, 8, 16}), **options)))
 
 
 def main(cfg: Config) -> dict:

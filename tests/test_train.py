@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -389,6 +390,38 @@ def test_a_stage_two_runs_build_at_once_keeps_the_first_and_a_broken_link_is_nam
     (tmp_path / "r" / "value_pretrain").symlink_to(tmp_path / "gone")
     with pytest.raises(config.ConfigError, match=r"value_pretrain points to .*gone, which is gone; delete the link"):
         rundir.build_shared(cfg, str(tmp_path / "r" / "value_pretrain"), settings, lambda staging: None)
+
+
+@pytest.mark.parametrize("preset, world_size, params", [("qwen2.5-1.5b", 1, "1.54B"), ("qwen2.5-7b", 8, "7.62B"),
+                                                        ("qwen2.5-32b", 16, "32.76B")])
+def test_each_gpu_preset_fits_its_target_hardware_by_plan(preset, world_size, params, tmp_path, capsys):
+    """--plan sizes a preset's own target (memory_plan.TARGETS) and its model's shape, read from a
+    config.json alone (no weights): here one written locally in Qwen2.5's shape."""
+    import memory_plan
+    from transformers import Qwen2Config
+
+    shape = memory_plan.TARGETS[preset].model
+    Qwen2Config(hidden_size=shape.hidden, num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+                num_key_value_heads=shape.kv_heads, intermediate_size=shape.intermediate, vocab_size=shape.vocab,
+                tie_word_embeddings=shape.tied).save_pretrained(tmp_path)
+    for flags in ([], ["--model", str(tmp_path)]):
+        train.print_plan(config.parse_config(["--preset", preset, "--plan", *flags]))
+        out = capsys.readouterr().out
+        assert f"world size {world_size}," in out and f"actor {params} parameters" in out
+        assert re.search(r"^peak [\d.]+ GiB of [\d.]+ GiB usable: fits$", out, re.M), out
+    assert "74.6 GiB usable" in out if preset != "qwen2.5-32b" else "135.4 GiB usable" in out  # 80 GB GPUs or H200
+
+
+def test_a_model_without_a_preset_on_a_gpu_is_refused_naming_the_presets(monkeypatch):
+    import torch
+
+    assert config.parse_config(["--model", "m"]).actor_lr == 5e-5  # a CPU: the tiny settings
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(config.ConfigError, match="--model on a GPU needs a --preset: qwen2.5-1.5b .*qwen2.5-7b .*"
+                                                 "qwen2.5-32b"):
+        config.parse_config(["--model", "m"])
+    assert config.parse_config(["--model", "m", "--preset", "qwen2.5-1.5b"]).actor_lr == 1e-6
+    assert config.parse_config(["--model", "m", "--plan"]).plan  # --plan launches nothing
 
 
 def test_grpo_needs_two_samples_per_prompt():
