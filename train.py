@@ -181,7 +181,8 @@ def rollout_metrics(scored: ScoredBatch, per_token: dict, advantages, timings: d
     metrics = {
         "response_length/mean": lengths.mean().item(),
         "response_length/max": lengths.max().item(),
-        "response_length/truncated_frac": sum(batch.truncated) / len(batch),
+        "response_length/clip_ratio": sum(batch.truncated) / len(batch),
+        "prompt_length/mean": batch.prompt_mask.sum(-1).float().mean().item(),
         "reward/mean": scored.outcomes.mean().item(),
         "reward/accuracy": (scored.outcomes > 0).float().mean().item(),
         "reward/grader_timeouts": scored.grader_timeouts,
@@ -191,13 +192,14 @@ def rollout_metrics(scored: ScoredBatch, per_token: dict, advantages, timings: d
     if "old_values" in per_token:
         values = per_token["old_values"]
         metrics |= {"critic/values_mean": masked_mean(values, mask).item(),
-                    "critic/vf_explained_var": explained_variance(values, per_token["returns"], mask).item()}
+                    "critic/vf_explained_var": explained_variance(values, per_token["returns"], mask).item(),
+                    "critic/returns/mean": masked_mean(per_token["returns"], mask).item()}
     metrics |= {f"advantage/pos_bin{b}": v for b, v in enumerate(advantage_by_position(advantages, mask))}
-    metrics |= {f"time/{k}": v for k, v in timings.items()}
-    metrics["time/step"] = sum(timings.values())
-    metrics["perf/tokens_per_s"] = mask.sum().item() / metrics["time/step"]
+    metrics |= {f"timing_s/{k}": v for k, v in timings.items()}
+    metrics["timing_s/step"] = sum(timings.values())
+    metrics["perf/throughput"] = (batch.prompt_mask.sum() + mask.sum()).item() / metrics["timing_s/step"]  # per GPU
     return fsdp_utils.reduce_metrics(metrics, maxes=("response_length/max",),
-                                     sums=("reward/grader_timeouts", "reward/missing_box", "perf/tokens_per_s"))
+                                     sums=("reward/grader_timeouts", "reward/missing_box"))
 
 
 def check_diverged(metrics: dict, models: dict) -> None:

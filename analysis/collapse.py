@@ -44,6 +44,8 @@ import numpy as np
 from analysis import ablation, advantage_bias
 
 RUNS = ("ppo", "vc-ppo")
+# Runs finished before the metric took verl's name (issue 30) are read under the name they logged.
+OLD_NAMES = {"response_length/clip_ratio": "response_length/truncated_frac"}
 WINDOW = 5  # steps of the moving average in the length ratio
 FIG2_LAMBDA = 0.95  # plain PPO's lambda, the paper's Fig. 2
 
@@ -89,8 +91,8 @@ def measure(loaded: dict) -> dict:
             # Fig. 2 on the first PPO batch: mean advantage (before whitening) over each quarter of the responses.
             "first_step_advantage_by_quarter": [rows[0].get(f"advantage/pos_bin{b}") for b in range(4)],
             "first_step_critic_ev": rows[0].get("critic/vf_explained_var"),
-            "curves": {key: [r[key] for r in rows] for key in
-                       ("response_length/mean", "response_length/truncated_frac", "reward/accuracy")},
+            "curves": {key: [r.get(key, r.get(OLD_NAMES.get(key))) for r in rows] for key in
+                       ("response_length/mean", "response_length/clip_ratio", "reward/accuracy")},
         }
     return out
 
@@ -128,7 +130,7 @@ def summary_line(m: dict) -> str:
 
 def plot(m: dict, seed: int, path: Path) -> None:
     keys = (("response_length/mean", "mean response length (tokens)"),
-            ("response_length/truncated_frac", "share truncated (scored -1)"), ("reward/accuracy", "training accuracy"))
+            ("response_length/clip_ratio", "share truncated (scored -1)"), ("reward/accuracy", "training accuracy"))
     fig, axes = plt.subplots(1, len(keys), figsize=(15, 4))
     for ax, (key, label) in zip(axes, keys):
         for name in RUNS:

@@ -40,7 +40,8 @@ def fake_run(out_dir: Path, variant: str, steps: int, lengths: list[float], acc:
     run = out_dir / f"ablation__{variant}__seed{seed}"
     run.mkdir(parents=True)
     (run / "config.json").write_text(json.dumps(dataclasses.asdict(config.parse_config(flags))))
-    rows = [{"step": i, "response_length/mean": n, "response_length/truncated_frac": 0.1, "reward/accuracy": 0.2,
+    clip_ratio = "response_length/truncated_frac" if variant == "ppo" else "response_length/clip_ratio"  # an old run
+    rows = [{"step": i, "response_length/mean": n, clip_ratio: 0.1, "reward/accuracy": 0.2,
              "advantage/pos_bin0": 0.3, "advantage/pos_bin1": 0.2, "advantage/pos_bin2": 0.1,
              "advantage/pos_bin3": 0.0} for i, n in enumerate(lengths)]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -58,6 +59,8 @@ def test_reads_both_runs_and_prints_the_summary_line_last(tmp_path, capsys):
     assert last == ("collapse ppo_length_ratio=0.467 vcppo_length_ratio=1.057 ppo_final_acc=0.100 "
                     "vcppo_final_acc=0.400 sft_acc=0.250")  # ppo: (500+300+200+200+200)/5 / 600
     assert m["runs"]["ppo"]["first_step_advantage_by_quarter"] == [0.3, 0.2, 0.1, 0.0]
+    # a run logged before response_length/clip_ratio took verl's name is read under its old name
+    assert [m["runs"][run]["curves"]["response_length/clip_ratio"] for run in ("ppo", "vc-ppo")] == [[0.1] * 6] * 2
     assert (tmp_path / "out" / "collapse_seed0.png").stat().st_size > 0
     assert json.loads((tmp_path / "out" / "collapse_seed0.json").read_text())["sft_acc"] == 0.25
 

@@ -67,8 +67,9 @@ def test_micro_pipeline_runs_every_stage_and_logs_every_step(out_dir, micro_run)
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1]
     for key in ("response_length/mean", "reward/accuracy", "actor/pg_loss", "critic/vf_loss",
-                "critic/vf_explained_var", "actor/pg_clipfrac_low", "actor/approx_kl", "actor/entropy",
-                "actor/grad_norm", "advantage/pos_bin0", "time/rollout", "perf/tokens_per_s"):
+                "critic/vf_explained_var", "actor/pg_clipfrac_low", "actor/ppo_kl", "actor/entropy",
+                "actor/grad_norm", "advantage/pos_bin0", "timing_s/rollout", "perf/throughput", "actor/lr",
+                "critic/returns/mean", "prompt_length/mean", "response_length/clip_ratio"):
         assert key in rows[0], key
     assert (out_dir / "_shared" / "sft" / "config.json").exists()
     assert (out_dir / "_shared" / "orm" / "config.json").exists()
@@ -464,7 +465,7 @@ def test_run_killed_mid_way_resumes_to_the_same_final_metrics(out_dir, sft):
     assert [r["step"] for r in b] == list(range(5))
     for ra, rb in zip(a, b):
         for key, value in ra.items():
-            if not key.startswith(("time/", "perf/")):
+            if not key.startswith(("timing_s/", "perf/")):
                 if value is None:  # undefined (NaN), written as null
                     assert rb[key] is None, (ra["step"], key)
                 else:
@@ -557,7 +558,7 @@ def test_two_torchrun_agents_as_two_nodes_give_the_metrics_of_one_node(one_node_
     for a, b in zip(one, two):
         assert a.keys() == b.keys()
         for key, value in a.items():
-            if not key.startswith(("time/", "perf/")):
+            if not key.startswith(("timing_s/", "perf/")):
                 expected = value if value is None else pytest.approx(value, rel=1e-6, abs=1e-7)  # None: NaN
                 assert b[key] == expected, (a["step"], key)
     one, two = (json.loads((one_node_and_two_nodes[k] / "summary.json").read_text())["ppo"]
