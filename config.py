@@ -190,6 +190,11 @@ class Config:
     """also export the actor in Hugging Face format every N PPO steps, to <run>/actor_hf_steps/step_<N>/;
     the final actor always goes to <run>/actor_hf/"""
 
+    # --- tracking (metrics.jsonl and TensorBoard always)
+    wandb_project: str | None = None
+    """also log metrics to Weights & Biases, in this project, as run --run-name (optional: `pip install
+    wandb`; WANDB_MODE=offline logs without a network, for `wandb sync` later)"""
+
     # --- scale (FSDP2)
     mixed_precision: bool = False
     """bf16 parameters, fp32 reduction (GPU)"""
@@ -276,6 +281,8 @@ class Config:
             "eval_temperature": (self.eval_temperature is None or self.eval_temperature > 0, "> 0, or unset"),
             "eval_max_new_tokens": (self.eval_max_new_tokens is None or self.eval_max_new_tokens >= 1, ">= 1, or unset"),
             "save_hf_every": (self.save_hf_every is None or self.save_hf_every >= 1, ">= 1, or unset"),
+            "wandb_project": (self.wandb_project is None or _importable("wandb"),
+                              "unset: wandb is not installed (pip install wandb)"),
             "max_prompt_tokens": (self.max_prompt_tokens >= 1, ">= 1"),
             "task_difficulty": self._task_difficulty_check(),
             "task_train_size": (self.task_train_size >= 1, ">= 1"),
@@ -349,6 +356,14 @@ PRESETS = {
         mixed_precision=True, activation_checkpointing=True,
     ),
 }
+
+
+def _importable(module: str) -> bool:
+    try:
+        __import__(module)
+    except ImportError:
+        return False
+    return True
 
 
 def _names_files(spec: str) -> bool:

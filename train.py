@@ -14,6 +14,7 @@ One PPO step: rollout -> reward -> values and log-probs -> decoupled GAE -> PPO 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import os
@@ -306,7 +307,8 @@ def main(cfg: Config) -> dict:
     start = rundir.resume(cfg, run_dir, models, optimizers, schedulers)
     if start:
         sampler.engine.sync_weights(models["actor"])  # the rollout engine samples from the restored actor
-    log = rundir.MetricsLog(run_dir, keep_up_to_step=start - 1)
+    log = rundir.MetricsLog(run_dir, keep_up_to_step=start - 1, wandb_project=cfg.wandb_project,
+                            config=dataclasses.asdict(cfg))
 
     bar = tqdm(range(start, cfg.steps), desc="PPO", dynamic_ncols=True, disable=not fsdp_utils.is_main())
     final = None  # the held-out scores after the last step
@@ -334,6 +336,7 @@ def main(cfg: Config) -> dict:
             export_actor(cfg, models["actor"], tokenizer, os.path.join(run_dir, "actor_hf_steps", f"step_{step + 1}"))
 
     summary["ppo"] = final or evaluate(evaluator, eval_records, "ppo")
+    log.close()
     export_actor(cfg, models["actor"], tokenizer, os.path.join(run_dir, "actor_hf"))
     grader.close()
     if fsdp_utils.is_main():

@@ -35,7 +35,8 @@ from sampling import Sampler
 # seed, or vc-ppo-no-dgae's), so they share it; every other setting keys it.
 PPO_ONLY = ("run_name", "out_dir", "resume", "plan", "steps", "lam_actor", "lam_critic", "length_adaptive_alpha",
             "actor_lr", "lr_warmup_steps", "clip_low", "clip_high", "dual_clip", "whiten_advantages", "kl_coef",
-            "kl_estimator", "entropy_coef", "eval_every", "eval_temperature", "eval_max_new_tokens", "save_hf_every")
+            "kl_estimator", "entropy_coef", "eval_every", "eval_temperature", "eval_max_new_tokens", "save_hf_every",
+            "wandb_project")
 # Data settings added after critics had been pretrained and shared: left out of the key while unset,
 # so that those critics are still found.
 KEYED_WHEN_SET = ("val_data", "val_prompt_key", "val_answer_key", "prompt_template", "answer_format")

@@ -364,3 +364,10 @@ def test_users_data_faults_stop_with_one_line_and_write_nothing(out_dir, sft, la
     flags = [f.format(**layouts) for f in flags]
     refused(out_dir, "--run-name", "layouts", "--model", sft, "--data", layouts[case], *flags, *QUICK, match=match)
     assert not (out_dir / "layouts").exists()
+
+
+def test_wandb_asked_for_but_not_installed_stops_with_one_line(out_dir, monkeypatch):
+    """wandb is optional (not in requirements.txt): without it --wandb-project says how to get it."""
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
+    refused(out_dir, "--run-name", "tracked", "--wandb-project", "vc-ppo", *QUICK,
+            match=r"--wandb-project = 'vc-ppo' \(must be unset: wandb is not installed \(pip install wandb\)\)")

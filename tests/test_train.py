@@ -617,6 +617,23 @@ def test_a_tuple_setting_matches_the_list_it_was_stored_as(tmp_path):
         config.check_settings("here", stored, {"task_difficulty": (28, 40)})
 
 
+def test_metrics_go_to_wandb_offline_when_asked(tmp_path, monkeypatch):
+    """--wandb-project: the same rows to Weights & Biases (offline here: no network), NaN left out."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    log = rundir.MetricsLog(str(tmp_path), keep_up_to_step=-1, wandb_project="vc-ppo-test", config={"seed": 3})
+    sent, send = [], log.wandb.log
+    monkeypatch.setattr(log.wandb, "log", lambda row, step: sent.append((step, row)) or send(row, step=step))
+    for step in range(3):
+        log.write(step, {"reward/mean": step / 10, "critic/vf_explained_var": float("nan")})
+    assert sent == [(step, {"reward/mean": step / 10}) for step in range(3)]
+    assert dict(log.wandb.summary)["reward/mean"] == 0.1  # wandb takes in a step when the next one comes
+    assert log.wandb.config["seed"] == 3 and log.wandb.name == tmp_path.name
+    log.close()
+    assert [p.stat().st_size > 0 for p in tmp_path.glob("wandb/offline-run-*/run-*.wandb")] == [True]  # to sync
+
+
 def test_metrics_files_write_an_undefined_value_as_null_not_bare_nan(tmp_path):
     log = rundir.MetricsLog(str(tmp_path), keep_up_to_step=-1)
     log.write(0, {"critic/vf_explained_var": float("nan"), "x": 1.0})
