@@ -13,7 +13,7 @@ are read as they are:
   conversational layout), which go through the tokenizer's chat template;
 - fields: `prompt_key` / `answer_key` may be dotted paths into nested fields
   (`reward_model.ground_truth`, verl's); `data_source` (verl's) names the set a record belongs to,
-  else the file's name does (held-out metrics are reported per data source);
+  else the file's name does (`_set_name`; held-out metrics are reported per data source);
 - answers: `answer_format` "gsm8k" takes the final number after GSM8K's `#### `, "math" the answer
   as written (the grader reads its last `\\boxed{}` if it has one); None detects `####`;
 - `prompt_template` (`"{prompt} Please reason step by step, ..."`) rewrites the prompt text (the
@@ -220,6 +220,12 @@ def _check(where: str, record: object, prompt_key: str, answer_key: str,
         raise DataError(f"{where}: {e}, field {answer_key!r}: {str(answer)[-60:]!r}") from None
 
 
+def _set_name(file: Path) -> str:
+    """A file's records' data source when they name none: its name, without a Hugging Face shard
+    suffix (`test-00000-of-00001.parquet` -> `test`)."""
+    return re.sub(r"-\d{5}-of-\d{5}$", "", file.stem)
+
+
 def load_records(
     path: str | Path,
     tokenizer,
@@ -264,7 +270,7 @@ def load_records(
                 continue
             source = raw.get("data_source")
             records.append({"prompt": prompt, "answer": answer, "prompt_ids": prompt_ids,
-                            "data_source": source if isinstance(source, str) and source else file.stem})
+                            "data_source": source if isinstance(source, str) and source else _set_name(file)})
     stats.loaded = len(records)
     return records, stats
 

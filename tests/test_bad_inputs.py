@@ -284,6 +284,9 @@ def test_a_bad_model_directory_prints_one_line_from_the_real_command_line(sft, t
     assert not (tmp_path / "runs").exists()
 
 
+PRESET_PARAMS = {"qwen2.5-1.5b": "1.54B", "qwen2.5-7b": "7.62B", "qwen2.5-32b": "32.76B"}
+
+
 def test_the_readme_plan_examples_run(sft, monkeypatch):
     readme = (ROOT / "README.md").read_text()
     commands = [line for line in readme.splitlines() if re.match(r"^(WORLD_SIZE=\d+ )?python train.py .*--plan", line)]
@@ -294,9 +297,11 @@ def test_the_readme_plan_examples_run(sft, monkeypatch):
         while "=" in argv[0]:  # VAR=value before the command
             monkeypatch.setenv(*argv.pop(0).split("="))
         error, stdout = run_script("train.py", *argv[2:])
-        assert error is None and "peak" in stdout, (command, error)
-        if "--model" not in command:
-            assert "actor 32.76B parameters" in stdout  # the paper's model
+        assert error is None and "peak" in stdout and "fits" in stdout.split("peak")[1], (command, error)
+        if "--model" not in command:  # the preset's own model: the paper's for qwen2.5-32b
+            preset = argv[argv.index("--preset") + 1]
+            assert f"actor {PRESET_PARAMS[preset]} parameters" in stdout, command
+    assert set(PRESET_PARAMS) <= {c.split("--preset ")[1].split()[0] for c in commands}  # each GPU preset's plan
 
 
 # 7. Metrics files are strict JSON -----------------------------------------------------------------------------

@@ -333,12 +333,12 @@ def test_chat_messages_need_a_user_turn_and_a_chat_template(tmp_path):
 def test_several_files_a_folder_a_glob_and_json_arrays(tmp_path):
     from data import data_files
 
-    write_jsonl(tmp_path / "a.jsonl", GOOD[:2])
+    write_jsonl(tmp_path / "a-00000-of-00002.jsonl", GOOD[:2])  # a Hugging Face shard: data source "a"
     (tmp_path / "b.json").write_text(json.dumps(GOOD[2:]))  # an array
     (tmp_path / "notes.txt").write_text("not data")
     (tmp_path / "sub").mkdir()
     write_jsonl(tmp_path / "sub" / "c.json", GOOD[:1])  # JSON lines under .json, as `datasets` writes them
-    assert data_files(tmp_path) == [tmp_path / "a.jsonl", tmp_path / "b.json"]
+    assert data_files(tmp_path) == [tmp_path / "a-00000-of-00002.jsonl", tmp_path / "b.json"]
     assert data_files(f"{tmp_path}/**/*.json") == [tmp_path / "b.json", tmp_path / "sub" / "c.json"]
     records, stats = load_records(tmp_path, char_tokenizer())
     assert [(r["prompt"], r["data_source"]) for r in records] == [("1+1=", "a"), ("half of 1?", "a"), ("3*3", "b")]
