@@ -129,31 +129,41 @@ CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}{% if ad
 FORMATS = ROOT / "tests" / "data" / "formats"
 
 
-def test_a_users_verl_and_gsm8k_files_train_and_the_exported_actor_gives_the_trainers_logits(out_dir, sft,
-                                                                                          tmp_path):
-    """Issue 30: a verl parquet file (chat-message prompts through the chat template, the nested
-    ground truth) trains, a GSM8K JSONL file ('#### <number>' answers) is the held-out set,
-    evaluated at every step at its own temperature and length into metrics.jsonl and TensorBoard,
-    and the actor leaves in Hugging Face format: `from_pretrained` gives the trainer's logits."""
+@pytest.fixture(scope="module")
+def users_run(out_dir, sft, tmp_path_factory):
+    """Issue 30's run: a verl parquet file (chat-message prompts through the chat template, the
+    nested ground truth) trains, a GSM8K JSONL file ('#### <number>' answers) is the held-out set,
+    evaluated at every step at its own temperature and length; (summary, run directory, model)."""
+    from transformers import AutoTokenizer
+
+    model = tmp_path_factory.mktemp("users") / "chat-model"  # pi_SFT as a user's model: with a chat template
+    shutil.copytree(sft, model)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(model)
+    cfg = micro_config(out_dir, "--run-name", "users-data", "--model", str(model), "--steps", "2",
+                       "--value-pretrain-steps", "0", "--data", str(FORMATS / "verl.parquet"),
+                       "--answer-key", "reward_model.ground_truth", "--val-data", str(FORMATS / "gsm8k.jsonl"),
+                       "--val-prompt-key", "question", "--val-answer-key", "answer", "--eval-every", "1",
+                       "--eval-temperature", "0.7", "--eval-max-new-tokens", "12", "--save-hf-every", "1",
+                       "--prompt-template", USERS_TEMPLATE)
+    return train.main(cfg), out_dir / "users-data", model
+
+
+USERS_TEMPLATE = "{prompt} Please reason step by step, and put your final answer within \\boxed{}."
+
+
+def test_a_users_verl_and_gsm8k_files_train_and_the_exported_actor_gives_the_trainers_logits(users_run):
+    """Issue 30 is done when this passes: the held-out scores go into metrics.jsonl and TensorBoard
+    at every step, and the actor leaves in Hugging Face format: `from_pretrained` gives the
+    trainer's logits."""
     import torch
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from data import encode_prompt
 
-    model = tmp_path / "chat-model"  # pi_SFT as a user's model: with a chat template
-    shutil.copytree(sft, model)
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(model)
-    template = "{prompt} Please reason step by step, and put your final answer within \\boxed{}."
-    cfg = micro_config(out_dir, "--run-name", "users-data", "--model", str(model), "--steps", "2",
-                       "--value-pretrain-steps", "0", "--data", str(FORMATS / "verl.parquet"),
-                       "--answer-key", "reward_model.ground_truth", "--val-data", str(FORMATS / "gsm8k.jsonl"),
-                       "--val-prompt-key", "question", "--val-answer-key", "answer", "--eval-every", "1", "--eval-temperature", "0.7",
-                       "--eval-max-new-tokens", "12", "--save-hf-every", "1", "--prompt-template", template)
-    summary = train.main(cfg)
-    run_dir = out_dir / "users-data"
+    summary, run_dir, model = users_run
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1] and all(r["actor/lr"] == 5e-5 for r in rows)
     val = [{k.removeprefix("val/gsm8k/"): v for k, v in r.items() if k.startswith("val/")} for r in rows]
@@ -163,11 +173,12 @@ def test_a_users_verl_and_gsm8k_files_train_and_the_exported_actor_gives_the_tra
     events = EventAccumulator(str(run_dir))
     events.Reload()
     assert [e.step for e in events.Scalars("val/gsm8k/pass@1")] == [0, 1]
-    assert json.loads((run_dir / "config.json").read_text())["prompt_template"] == template
+    assert json.loads((run_dir / "config.json").read_text())["prompt_template"] == USERS_TEMPLATE
     assert (run_dir / "actor_hf_steps" / "step_1" / "model.safetensors").exists()  # --save-hf-every 1; step 2: actor_hf
 
     exported = AutoModelForCausalLM.from_pretrained(run_dir / "actor_hf")
-    assert AutoTokenizer.from_pretrained(run_dir / "actor_hf").chat_template == CHAT_TEMPLATE
+    tokenizer = AutoTokenizer.from_pretrained(run_dir / "actor_hf")
+    assert tokenizer.chat_template == CHAT_TEMPLATE
     trainer = AutoModelForCausalLM.from_pretrained(model)
     checkpoints.load_model_weights(checkpoints.latest_checkpoint(str(run_dir / "checkpoint")), "actor", trainer)
     ids = torch.tensor([encode_prompt(tokenizer, "12*2^c=?")])
@@ -175,6 +186,15 @@ def test_a_users_verl_and_gsm8k_files_train_and_the_exported_actor_gives_the_tra
         logits = exported(ids).logits
         assert torch.equal(logits, trainer(ids).logits)
         assert not torch.allclose(logits, AutoModelForCausalLM.from_pretrained(model)(ids).logits)  # PPO moved it
+
+
+@pytest.mark.slow
+def test_vllm_generates_from_the_exported_actor_as_hugging_face_does(users_run, tmp_path):
+    pytest.importorskip("vllm")
+    from dist_workers.common import run_torchrun
+
+    result, = run_torchrun("vllm_exported_worker.py", str(tmp_path), str(users_run[1] / "actor_hf"), nproc=0)
+    assert result["same_tokens"] and result["generated"] > 3 and result["logprob_max_diff"] <= 1e-4
 
 
 class EasyProblemGrader:
