@@ -275,11 +275,13 @@ class Config:
                          "files, folders or globs matching files, with --data"),
             "val_prompt_key": (self.val_prompt_key is None or self.val_data is not None, "unset without --val-data"),
             "val_answer_key": (self.val_answer_key is None or self.val_data is not None, "unset without --val-data"),
-            "prompt_template": (self.prompt_template is None or (self.data is not None and "{prompt}" in self.prompt_template),
+            "prompt_template": (self.prompt_template is None
+                                or (self.data is not None and "{prompt}" in self.prompt_template),
                                 "a text holding '{prompt}', with --data"),
             "eval_every": (self.eval_every is None or self.eval_every >= 1, ">= 1, or unset"),
             "eval_temperature": (self.eval_temperature is None or self.eval_temperature > 0, "> 0, or unset"),
-            "eval_max_new_tokens": (self.eval_max_new_tokens is None or self.eval_max_new_tokens >= 1, ">= 1, or unset"),
+            "eval_max_new_tokens": (self.eval_max_new_tokens is None or self.eval_max_new_tokens >= 1,
+                                    ">= 1, or unset"),
             "save_hf_every": (self.save_hf_every is None or self.save_hf_every >= 1, ">= 1, or unset"),
             "wandb_project": (self.wandb_project is None or _importable("wandb"),
                               "unset: wandb is not installed (pip install wandb)"),
@@ -359,6 +361,7 @@ PRESETS = {
 
 
 def _importable(module: str) -> bool:
+    """Whether an optional package (wandb) is installed, checked at start rather than at step 0."""
     try:
         __import__(module)
     except ImportError:
@@ -414,16 +417,16 @@ def launch_world_size(cfg: Config) -> int:
 def parse_config(argv: list[str], description: str | None = None) -> Config:
     """`--preset NAME` chooses the defaults; every other flag overrides one field; `description`
     heads `--help`. A bad value raises ConfigError naming the flag."""
-    preset = "tiny"
+    preset = None
     for i, arg in enumerate(argv):
         if arg == "--preset" and i + 1 < len(argv):
             preset = argv[i + 1]
         elif arg.startswith("--preset="):
             preset = arg.split("=", 1)[1]
-    if preset not in PRESETS:
+    if preset is not None and preset not in PRESETS:
         raise ConfigError(f"--preset must be one of {sorted(PRESETS)}, got {preset!r}")
-    cfg = tyro.cli(Config, default=PRESETS[preset], args=argv, description=description)
-    if cfg.model is not None and not cfg.plan and not any(a == "--preset" or a.startswith("--preset=") for a in argv):
+    cfg = tyro.cli(Config, default=PRESETS[preset or "tiny"], args=argv, description=description)
+    if preset is None and cfg.model is not None and not cfg.plan:
         _check_preset_chosen()
     cfg.validate(world_size=launch_world_size(cfg))
     if cfg.run_name is None:

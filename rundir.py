@@ -41,8 +41,9 @@ STAGE_SETTINGS = "settings.json"  # in a cached stage's directory: what it was b
 # length, and how it runs (memory savers and throughput levers too, to resume a run that ran out of
 # memory or time).
 MAY_CHANGE = ("resume", "threads", "steps", "save_every", "save_hf_every", "eval_every", "grader_workers",
-              "grader_timeout_s", "wandb_project", "micro_batch_size", "activation_checkpointing", "cpu_offload", "gpu_memory_utilization",
-              "checkpoint_fraction", "micro_batch_tokens", "logprob_chunk_tokens", "compile_layers")
+              "grader_timeout_s", "wandb_project", "micro_batch_size", "activation_checkpointing", "cpu_offload",
+              "gpu_memory_utilization", "checkpoint_fraction", "micro_batch_tokens", "logprob_chunk_tokens",
+              "compile_layers")
 # What a rerun takes from the run directory instead of computing it again: never without the
 # config.json that says which settings made it.
 REUSED = ("eval_sft.json", "value_pretrain", "checkpoint", "checkpoint.tmp", "checkpoint.old")

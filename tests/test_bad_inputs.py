@@ -341,13 +341,12 @@ def layouts(tmp_path_factory):
         (root / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
         return str(root / name)
 
-    chat = lambda text: [{"role": "system", "content": "be brief"}, {"role": "user", "content": text}]  # noqa: E731
-    verl = lambda text, truth: {"data_source": "d", "prompt": text, "reward_model": {"ground_truth": truth}}  # noqa: E731
     (root / "empty").mkdir()
     return {
-        "no_user": jsonl("no_user.jsonl", [{"prompt": "1+1=", "answer": "2"}, {"prompt": chat("2+2=")[:1], "answer": "4"}]),
-        "nested": jsonl("nested.jsonl", [verl("1+1=", "2"), {"data_source": "d", "prompt": "2+2=",
-                                                            "reward_model": {"style": "rule"}}]),
+        "no_user": jsonl("no_user.jsonl", [{"prompt": "1+1=", "answer": "2"},
+                                           {"prompt": [{"role": "system", "content": "be brief"}], "answer": "4"}]),
+        "nested": jsonl("nested.jsonl", [{"data_source": "d", "prompt": "1+1=", "reward_model": {"ground_truth": "2"}},
+                                         {"data_source": "d", "prompt": "2+2=", "reward_model": {"style": "rule"}}]),
         "gsm8k": jsonl("gsm8k.jsonl", [{"question": "1+1=", "answer": "1+1 = 2\n#### 2"},
                                        {"question": "2+2=", "answer": "2+2 is four\n#### four"}]),
         "train": jsonl("train.jsonl", [{"prompt": "1+1=", "answer": "2"}] * 4),

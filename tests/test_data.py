@@ -307,8 +307,8 @@ def test_prompt_template_rewrites_text_and_the_last_user_turn(tmp_path):
 
     template = "{prompt} Put the answer in \\boxed{}."
     assert apply_template("1+1=", template) == "1+1= Put the answer in \\boxed{}."
-    chat = [{"role": "system", "content": "s"}, {"role": "user", "content": "q1"}, {"role": "assistant", "content": "a"},
-            {"role": "user", "content": "q2"}]
+    chat = [{"role": "system", "content": "s"}, {"role": "user", "content": "q1"},
+            {"role": "assistant", "content": "a"}, {"role": "user", "content": "q2"}]
     assert [m["content"] for m in apply_template(chat, template)] == ["s", "q1", "a", "q2 Put the answer in \\boxed{}."]
     records, _ = load_records(write_jsonl(tmp_path / "d.jsonl", [{"prompt": chat, "answer": "2"}]),
                               char_tokenizer(TEMPLATE), prompt_template=template)
