@@ -44,3 +44,18 @@ def test_scores_are_reported_per_data_source_as_val_metrics():
     assert val_metrics(summarize(builtin, samples, n=2)) == {
         "val/held_out/pass@1": 0.5, "val/held_out/mean_length": 20.0, "val/held_out/truncated": 1 / 3,
         "val/held_out/pass@2": 2 / 3}
+
+
+def test_held_out_sampling_takes_its_own_temperature_and_length_where_set():
+    import config
+    from evaluate import eval_sampler
+    from sampling import Sampler
+
+    base = config.parse_config(["--temperature", "0.9", "--max-new-tokens", "50"])
+    sampler = Sampler(base, engine=None, tokenizer=None, grader=None)
+    assert (eval_sampler(sampler).cfg.temperature, eval_sampler(sampler).cfg.max_new_tokens) == (0.9, 50)
+    own = config.parse_config(["--temperature", "0.9", "--max-new-tokens", "50", "--eval-temperature", "0.6",
+                               "--eval-max-new-tokens", "80"])
+    evaluator = eval_sampler(Sampler(own, engine=None, tokenizer=None, grader=None))
+    assert (evaluator.cfg.temperature, evaluator.cfg.max_new_tokens) == (0.6, 80)
+    assert own.temperature == 0.9 and own.max_new_tokens == 50  # training's own settings are left as they were

@@ -296,6 +296,8 @@ def test_value_pretraining_killed_mid_way_resumes_to_the_same_curve(out_dir, tmp
     ("--samples-per-prompt", "0"), ("--run-name", "a/b"), ("--clip-low", "1.0"), ("--critic-lr", "inf"),
     ("--task-eval-size", "0"), ("--plateau-window", "0"), ("--grader-workers", "0"), ("--orm-steps", "0"),
     ("--run-name", "_shared"), ("--run-name", ".."), ("--tensor-parallel-size", "2"), ("--data", "absent.jsonl"),
+    ("--eval-every", "0"), ("--save-hf-every", "0"), ("--eval-temperature", "0"), ("--eval-max-new-tokens", "0"),
+    ("--prompt-template", "{prompt}"), ("--val-data", "x.jsonl"), ("--val-answer-key", "answer"),  # need --data
 ])
 def test_bad_config_values_fail_at_start_naming_the_field(flag, value):
     with pytest.raises(config.ConfigError, match=flag):
