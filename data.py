@@ -187,6 +187,8 @@ def _parquet_rows(path: Path, keys: tuple[str, ...]) -> Iterator[tuple[str, obje
 
 
 def _check_messages(where: str, messages: list, key: str) -> None:
+    """A chat-message prompt: text roles and contents, and a user turn (for --prompt-template to rewrite
+    and for the policy to answer), else DataError naming `where`."""
     if not messages or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
                                and isinstance(m.get("content"), str) for m in messages):
         raise DataError(f"{where}: field {key!r} is neither text nor a list of chat messages with text 'role' "
