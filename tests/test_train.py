@@ -188,6 +188,24 @@ def test_a_users_verl_and_gsm8k_files_train_and_the_exported_actor_gives_the_tra
         assert not torch.allclose(logits, AutoModelForCausalLM.from_pretrained(model)(ids).logits)  # PPO moved it
 
 
+def test_a_bf16_run_exports_its_actor_in_bf16(sft, tmp_path):
+    """--mixed-precision (the GPU presets) computes in bf16: the export is bf16, half the size,
+    each tensor the trainer's fp32 one rounded; a CPU run's stays fp32 (the logits test above)."""
+    import types
+
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    actor = AutoModelForCausalLM.from_pretrained(sft)
+    train.export_actor(types.SimpleNamespace(mixed_precision=True), actor, AutoTokenizer.from_pretrained(sft),
+                       str(tmp_path / "actor_hf"))
+    saved, trained = load_file(tmp_path / "actor_hf" / "model.safetensors"), actor.state_dict()
+    assert saved and all(t.dtype == torch.bfloat16 and t.equal(trained[name].to(torch.bfloat16))
+                         for name, t in saved.items())
+    assert json.loads((tmp_path / "actor_hf" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
 @pytest.mark.slow
 def test_vllm_generates_from_the_exported_actor_as_hugging_face_does(users_run, tmp_path):
     pytest.importorskip("vllm")
