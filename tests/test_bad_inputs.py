@@ -12,6 +12,7 @@ import io
 import json
 import re
 import runpy
+import shlex
 import shutil
 import subprocess
 import sys
@@ -302,6 +303,29 @@ def test_the_readme_plan_examples_run(sft, monkeypatch):
             preset = argv[argv.index("--preset") + 1]
             assert f"actor {PRESET_PARAMS[preset]} parameters" in stdout, command
     assert set(PRESET_PARAMS) <= {c.split("--preset ")[1].split()[0] for c in commands}  # each GPU preset's plan
+
+
+def test_the_readme_quickstart_command_parses_and_reads_gsm8k_as_shipped(sft, tmp_path):
+    """The one-GPU quickstart's flags, with the GSM8K sample (tests/data/formats) for the downloaded
+    files: the 1.5B preset, the question field, the final numbers as gold answers, the template."""
+    from transformers import AutoTokenizer
+
+    from config import parse_config
+    from data import prepare_data
+
+    readme = (ROOT / "README.md").read_text()
+    command = readme.split("## Quickstart on one GPU")[1].split("python train.py ")[1].split("```")[0]
+    command = command.replace("\\\n", " ")  # the shell's line continuations
+    sample = str(ROOT / "tests" / "data" / "formats" / "gsm8k.jsonl")
+    argv = shlex.split(command.replace("~/models/qwen2.5-1.5b-instruct", sft).replace(
+        "~/data/gsm8k/main/train-00000-of-00001.parquet", sample).replace(
+        "~/data/gsm8k/main/test-00000-of-00001.parquet", sample))
+    cfg = parse_config([*argv, "--out-dir", str(tmp_path)])
+    assert (cfg.preset, cfg.actor_lr, cfg.rollout, cfg.mixed_precision) == ("qwen2.5-1.5b", 1e-6, "vllm", True)
+    train_records, held_out = prepare_data(cfg, AutoTokenizer.from_pretrained(sft))
+    assert [r["answer"] for r in held_out] == ["54", "1625", "-5", "84"] == [r["answer"] for r in train_records]
+    assert train_records[0]["prompt"].endswith("in all? Please reason step by step, and put your final answer "
+                                               "within \\boxed{}.")
 
 
 # 7. Metrics files are strict JSON -----------------------------------------------------------------------------
