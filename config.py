@@ -1,8 +1,8 @@
-"""The configuration of a VC-PPO run: one dataclass whose fields are `train.py`'s flags, its three
-presets (`tiny`: the built-in task on a CPU; `tiny-long`: its long version; `qwen2.5-32b`: the
-settings reported for the paper) and
-the parser that checks every value at start. The ablation switches of the paper are grouped under
-"VC-PPO switches"."""
+"""The configuration of a VC-PPO run: one dataclass whose fields are `train.py`'s flags, its
+presets (`tiny`: the built-in task on a CPU; `tiny-long`: its long version; `qwen2.5-1.5b` and
+`qwen2.5-7b`: the paper's method on one GPU and on one node; `qwen2.5-32b`: the settings reported
+for the paper) and the parser that checks every value at start. The ablation switches of the
+paper are grouped under "VC-PPO switches"."""
 
 from __future__ import annotations
 
@@ -24,9 +24,10 @@ class Config:
     """VC-PPO. Every field is a command-line flag (`--lam-actor 0.99`); `--preset` picks the defaults."""
 
     # --- general
-    preset: Literal["tiny", "tiny-long", "qwen2.5-32b"] = "tiny"
+    preset: Literal["tiny", "tiny-long", "qwen2.5-1.5b", "qwen2.5-7b", "qwen2.5-32b"] = "tiny"
     """defaults: `tiny` (built-in task, CPU, minutes), `tiny-long` (its long version, the paper's
-    regime: responses of hundreds of tokens) or `qwen2.5-32b` (the paper's settings)"""
+    regime: responses of hundreds of tokens), `qwen2.5-1.5b` (one 80 GB GPU), `qwen2.5-7b` (one
+    node of 8 x 80 GB GPUs) or `qwen2.5-32b` (the paper's settings, 2 x 8 H200)"""
     run_name: str | None = None
     """outputs go to <out_dir>/<run_name>/; None: <preset>__<critic_init>__seed<seed>"""
     out_dir: str = "runs"
@@ -44,11 +45,25 @@ class Config:
     model: str | None = None
     """pi_SFT checkpoint (Hugging Face format); None: build one with the built-in task's SFT stage"""
     data: str | None = None
-    """prompts + answers (JSONL or Parquet); None: the built-in task"""
+    """prompts + answers: a .jsonl, .json or .parquet file, a folder of them, or a glob (quote it:
+    'data/train-*.parquet'); verl's and TRL's layouts read as they are (data.py); None: the built-in task"""
+    val_data: tuple[str, ...] | None = None
+    """held-out sets of their own (files, folders or globs, as --data; e.g. MATH-500 and AIME), reported
+    per data source; then --data is not split. None: --eval-fraction of --data is held out"""
     prompt_key: str = "prompt"
-    """field holding the prompt in --data"""
+    """field holding the prompt (text, or a list of chat messages); a dotted key reads a nested field"""
     answer_key: str = "answer"
-    """field holding the ground-truth answer in --data"""
+    """field holding the ground-truth answer, e.g. `reward_model.ground_truth` for verl's files"""
+    val_prompt_key: str | None = None
+    """--prompt-key of --val-data, when its layout differs (GSM8K's `question`); None: --prompt-key"""
+    val_answer_key: str | None = None
+    """--answer-key of --val-data; None: --answer-key"""
+    answer_format: Literal["gsm8k", "math"] | None = None
+    """gold answers: `gsm8k` (the final number after '####'), `math` (as written: its last \\boxed{}
+    if any); None: `gsm8k` for answers holding '####', else `math`. Responses are graded by their last \\boxed{}"""
+    prompt_template: str | None = None
+    """rewrites each --data / --val-data prompt (the last user turn of a message list): '{prompt}' stands for
+    it, e.g. '{prompt} Please reason step by step, and put your final answer within \\boxed{}.'"""
     skip_bad_records: bool = False
     """skip (and count) malformed records of --data instead of stopping with an error"""
     max_prompt_tokens: int = 512
@@ -170,8 +185,23 @@ class Config:
     # --- evaluation and checkpoints
     eval_samples: int = 4
     """samples per held-out prompt; reports pass@1 and pass@k for k = eval_samples"""
+    eval_every: int | None = None
+    """evaluate the held-out set every N PPO steps into metrics.jsonl and TensorBoard (val/<data source>/...);
+    None: before PPO (eval_sft.json) and at the end only"""
+    eval_temperature: float | None = None
+    """sampling temperature of held-out evaluation; None: --temperature"""
+    eval_max_new_tokens: int | None = None
+    """response length limit of held-out evaluation; None: --max-new-tokens"""
     save_every: int = 10
     """checkpoint every N PPO steps (and at the end)"""
+    save_hf_every: int | None = None
+    """also export the actor in Hugging Face format every N PPO steps, to <run>/actor_hf_steps/step_<N>/;
+    the final actor always goes to <run>/actor_hf/"""
+
+    # --- tracking (metrics.jsonl and TensorBoard always)
+    wandb_project: str | None = None
+    """also log metrics to Weights & Biases, in this project, as run --run-name (optional: `pip install
+    wandb`; WANDB_MODE=offline logs without a network, for `wandb sync` later)"""
 
     # --- scale (FSDP2)
     mixed_precision: bool = False
@@ -249,8 +279,24 @@ class Config:
             "max_new_tokens": (self.max_new_tokens >= 1, ">= 1"),
             "temperature": (self.temperature > 0, "> 0"),
             "top_p": (0.0 < self.top_p <= 1.0, "in (0, 1]"),
-            "data": (self.data is None or (self.model is not None and os.path.isfile(self.data)),
-                     "an existing file, with --model: the built-in pi_SFT knows only the built-in task"),
+            "data": (self.data is None or (self.model is not None and _names_files(self.data)),
+                     "a file, a folder of .json/.jsonl/.parquet files or a glob matching files, with --model: "
+                     "the built-in pi_SFT knows only the built-in task"),
+            "val_data": (self.val_data is None or (self.data is not None and bool(self.val_data)
+                                                   and all(map(_names_files, self.val_data))),
+                         "files, folders or globs matching files, with --data"),
+            "val_prompt_key": (self.val_prompt_key is None or self.val_data is not None, "unset without --val-data"),
+            "val_answer_key": (self.val_answer_key is None or self.val_data is not None, "unset without --val-data"),
+            "prompt_template": (self.prompt_template is None
+                                or (self.data is not None and "{prompt}" in self.prompt_template),
+                                "a text holding '{prompt}', with --data"),
+            "eval_every": (self.eval_every is None or self.eval_every >= 1, ">= 1, or unset"),
+            "eval_temperature": (self.eval_temperature is None or self.eval_temperature > 0, "> 0, or unset"),
+            "eval_max_new_tokens": (self.eval_max_new_tokens is None or self.eval_max_new_tokens >= 1,
+                                    ">= 1, or unset"),
+            "save_hf_every": (self.save_hf_every is None or self.save_hf_every >= 1, ">= 1, or unset"),
+            "wandb_project": (self.wandb_project is None or _importable("wandb"),
+                              "unset: wandb is not installed (pip install wandb)"),
             "max_prompt_tokens": (self.max_prompt_tokens >= 1, ">= 1"),
             "task_difficulty": self._task_difficulty_check(),
             "task_train_size": (self.task_train_size >= 1, ">= 1"),
@@ -294,6 +340,25 @@ PRESETS = {
         preset="tiny-long", task_length="long", max_new_tokens=600, sft_steps=2000,
         orm_batches=8, orm_steps=120, max_prompt_tokens=128,  # vLLM: 128 + 600 within the 1,024 positions
     ),
+    # The paper's method at the sizes users start with: its learning rates (actor 1e-6, critic 2e-6),
+    # lambdas, value pretraining and 8k responses, bf16 and colocated vLLM. The batch shrinks with the
+    # compute: 256 prompts on one GPU and 1,024 on 8, against the paper's 8,192 on 16 H200s, in
+    # mini-batches of 64 and 128 (verl's quickstart uses 64), so that a step stays minutes and still
+    # makes 4 to 8 optimizer steps. Each fits its target by --plan (README "Presets").
+    "qwen2.5-1.5b": Config(
+        preset="qwen2.5-1.5b", value_pretrain_steps=100, lam_actor=0.99, steps=500, prompts_per_step=256,
+        samples_per_prompt=1, num_minibatches=4, micro_batch_size=1, actor_lr=1e-6, critic_lr=2e-6,
+        lr_warmup_steps=10, rollout="vllm", max_new_tokens=8192, max_prompt_tokens=1024, gpu_memory_utilization=0.4,
+        eval_samples=4, eval_every=20, save_every=20, grader_workers=4, mixed_precision=True,
+        activation_checkpointing=True,
+    ),
+    "qwen2.5-7b": Config(
+        preset="qwen2.5-7b", value_pretrain_steps=100, lam_actor=0.99, steps=500, prompts_per_step=1024,
+        samples_per_prompt=1, num_minibatches=8, micro_batch_size=1, actor_lr=1e-6, critic_lr=2e-6,
+        lr_warmup_steps=10, rollout="vllm", max_new_tokens=8192, max_prompt_tokens=1024, gpu_memory_utilization=0.5,
+        eval_samples=8, eval_every=20, save_every=20, grader_workers=2, mixed_precision=True,
+        activation_checkpointing=True,
+    ),
     # Qwen2.5-32B after a short Long-CoT SFT, as in the paper; VAPO's PPO settings (actor lr 1e-6,
     # critic lr 2e-6, warm-up then constant, 8192 prompts x 1 sample, mini-batch 512), no KL term.
     "qwen2.5-32b": Config(
@@ -305,6 +370,37 @@ PRESETS = {
         mixed_precision=True, activation_checkpointing=True,
     ),
 }
+
+
+def _importable(module: str) -> bool:
+    """Whether an optional package (wandb) is installed, checked at start rather than at step 0."""
+    try:
+        __import__(module)
+    except ImportError:
+        return False
+    return True
+
+
+def _names_files(spec: str) -> bool:
+    """Whether a --data / --val-data value names at least one file (data.data_files)."""
+    import data
+
+    try:
+        return bool(data.data_files(spec))
+    except data.DataError:
+        return False
+
+
+def _check_preset_chosen() -> None:
+    """--model on a GPU machine without --preset: refused, rather than trained silently with the CPU
+    toy's settings (actor lr 5e-5, HF generate, fp32). On a CPU the tiny settings are what a small
+    model wants (and what the tests use)."""
+    import torch
+
+    if torch.cuda.is_available():
+        raise ConfigError("--model on a GPU needs a --preset: qwen2.5-1.5b (one 80 GB GPU), qwen2.5-7b (one node "
+                          "of 8 x 80 GB GPUs) or qwen2.5-32b (2 x 8 H200); tiny and tiny-long are the CPU toy's "
+                          "settings (actor lr 5e-5, HF generate, fp32), and any flag overrides a preset's value")
 
 
 def check_settings(where: str, stored: dict, wanted: dict, ignore=(), remedy: str = "delete it") -> None:
@@ -323,22 +419,27 @@ def check_settings(where: str, stored: dict, wanted: dict, ignore=(), remedy: st
 
 def launch_world_size(cfg: Config) -> int:
     """The world size this command was launched with, read before any process group exists:
-    torchrun's WORLD_SIZE; one process without torchrun, except that --plan then sizes 16 GPUs."""
-    return int(os.environ.get("WORLD_SIZE", 16 if cfg.plan else 1))
+    torchrun's WORLD_SIZE; one process without torchrun, except that --plan then sizes the preset's
+    target hardware (memory_plan.TARGETS: 16 GPUs for the paper's and the CPU presets)."""
+    import memory_plan
+
+    return int(os.environ.get("WORLD_SIZE", memory_plan.target(cfg.preset).gpus if cfg.plan else 1))
 
 
 def parse_config(argv: list[str], description: str | None = None) -> Config:
     """`--preset NAME` chooses the defaults; every other flag overrides one field; `description`
     heads `--help`. A bad value raises ConfigError naming the flag."""
-    preset = "tiny"
+    preset = None
     for i, arg in enumerate(argv):
         if arg == "--preset" and i + 1 < len(argv):
             preset = argv[i + 1]
         elif arg.startswith("--preset="):
             preset = arg.split("=", 1)[1]
-    if preset not in PRESETS:
+    if preset is not None and preset not in PRESETS:
         raise ConfigError(f"--preset must be one of {sorted(PRESETS)}, got {preset!r}")
-    cfg = tyro.cli(Config, default=PRESETS[preset], args=argv, description=description)
+    cfg = tyro.cli(Config, default=PRESETS[preset or "tiny"], args=argv, description=description)
+    if preset is None and cfg.model is not None and not cfg.plan:
+        _check_preset_chosen()
     cfg.validate(world_size=launch_world_size(cfg))
     if cfg.run_name is None:
         cfg = dataclasses.replace(cfg, run_name=f"{cfg.preset}__{cfg.critic_init}__seed{cfg.seed}")

@@ -209,7 +209,8 @@ def orm_quality(model, scored: list) -> dict:
 # whichever run trains it: the same ORM whatever order the runs come in.
 ORM_SETTINGS = ("orm_batches", "orm_steps", "orm_lr", "orm_loss", "prompts_per_step", "samples_per_prompt",
                 "max_new_tokens", "temperature", "top_p", "truncation_reward", "model", "data",
-                "task_train_size", "task_difficulty", "max_prompt_tokens", "eval_fraction")
+                "task_train_size", "task_difficulty", "max_prompt_tokens", "eval_fraction", "val_data",
+                "val_prompt_key", "val_answer_key", "prompt_template", "answer_format")
 
 
 def orm_path(cfg) -> str:

@@ -1,24 +1,39 @@
 """Users' prompt data (paper §4 setup: maths prompts with a verifiable final answer).
 
-The built-in task lives in `task.py`; this module loads a user's file instead:
+The built-in task lives in `task.py`; this module loads a user's files instead:
 
-    records, stats = load_records("train.jsonl", tokenizer, max_prompt_tokens=1024)
+    records, stats = load_records("train.parquet", tokenizer, max_prompt_tokens=1024)
     train, held_out = train_eval_split(records, eval_fraction=0.05, seed=0)
 
-A record is `{"prompt": str, "answer": str, "prompt_ids": list[int]}`. JSONL (one object a line)
-and Parquet are read; the field names are configurable. A malformed line, a missing field or an
-empty prompt stops loading with the file and line named, or with `on_error="skip"` is skipped and
-counted. Prompts longer than `max_prompt_tokens` are dropped and counted: a cut prompt would be a
-different question.
+A record is `{"prompt", "answer", "data_source", "prompt_ids"}`. The layouts people already have
+are read as they are:
+- files: `.jsonl` (one object a line), `.json` (an array of objects, or JSON lines as Hugging Face
+  `datasets` writes them) and `.parquet`; one file, a folder of them, or a glob (`data_files`);
+- prompts: text, or a list of chat messages (`[{"role": "user", "content": ...}]`, verl's and TRL's
+  conversational layout), which go through the tokenizer's chat template;
+- fields: `prompt_key` / `answer_key` may be dotted paths into nested fields
+  (`reward_model.ground_truth`, verl's); `data_source` (verl's) names the set a record belongs to,
+  else the file's name does (`_set_name`; held-out metrics are reported per data source);
+- answers: `answer_format` "gsm8k" takes the final number after GSM8K's `#### `, "math" the answer
+  as written (the grader reads its last `\\boxed{}` if it has one); None detects `####`;
+- `prompt_template` (`"{prompt} Please reason step by step, ..."`) rewrites the prompt text (the
+  last user turn of a message list).
+A malformed line, a missing field, an empty prompt or answer stops loading with the file and line
+named, or with `on_error="skip"` is skipped and counted. Prompts longer than `max_prompt_tokens`
+are dropped and counted: a cut prompt would be a different question.
 """
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Literal
+
+SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
 @dataclass
@@ -32,17 +47,85 @@ class DataError(ValueError):
     """A data file, or a record in it, that cannot be used; the message says where and why."""
 
 
-def encode_prompt(tokenizer, prompt: str) -> list[int]:
-    """Prompt token ids; through the tokenizer's chat template when it has one.
+def encode_prompt(tokenizer, prompt: str | list[dict]) -> list[int]:
+    """Prompt token ids; through the tokenizer's chat template when it has one. A text prompt is
+    one user turn; a list of chat messages needs the template.
 
-    With a template the text is one user turn plus the assistant header (add_generation_prompt),
+    With a template the text is the messages plus the assistant header (add_generation_prompt),
     and the template supplies any BOS itself, hence add_special_tokens=False.
     """
     if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                             tokenize=False, add_generation_prompt=True)
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if not isinstance(prompt, str):
+        raise DataError("chat-message prompts need a tokenizer with a chat template; the model's tokenizer has none "
+                        "(set its tokenizer_config.json's chat_template)")
     return list(tokenizer(prompt)["input_ids"])
+
+
+def data_files(spec: str | Path) -> list[Path]:
+    """The files a `--data` / `--val-data` value names: a file, a folder (its .json, .jsonl and
+    .parquet files) or a glob (`data/train-*.parquet`, `**` for subfolders), in sorted order."""
+    spec = str(spec)
+    if glob.has_magic(spec):
+        files = sorted(Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file())
+        if not files:
+            raise DataError(f"{spec}: the pattern matches no file")
+        return files
+    path = Path(spec)
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() in SUFFIXES)
+        if not files:
+            raise DataError(f"{spec}: a folder with no {', '.join(SUFFIXES)} file")
+        return files
+    if not path.is_file():
+        raise DataError(f"{spec}: no file or folder of that name")
+    return [path]
+
+
+def field(record: dict, key: str):
+    """record[key]; a dotted key (`reward_model.ground_truth`) walks into nested fields unless the
+    record has a field of that very name. None when absent."""
+    if key in record:
+        return record[key]
+    value = record
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    return value
+
+
+GSM8K_MARK = "####"
+_NUMBER = re.compile(r"-?[0-9][0-9,]*(?:\.[0-9]+)?")
+
+
+def gold_answer(answer: str, answer_format: Literal["gsm8k", "math"] | None) -> str:
+    """What the grader compares a response's boxed answer with. GSM8K writes a worked solution and
+    then `#### 72`: its final number, thousands separators dropped ("gsm8k", or None when the
+    answer holds `####`). Otherwise ("math") the answer as written: the grader takes its last
+    `\\boxed{}` if it has one. ValueError for a GSM8K answer without a number after `####`."""
+    if answer_format == "math" or (answer_format is None and GSM8K_MARK not in answer):
+        return answer
+    if GSM8K_MARK not in answer:
+        raise ValueError(f"no '{GSM8K_MARK} <number>' in the answer (GSM8K format)")
+    numbers = _NUMBER.findall(answer.rpartition(GSM8K_MARK)[2])
+    if not numbers:
+        raise ValueError(f"no number after '{GSM8K_MARK}' in the answer (GSM8K format)")
+    return numbers[-1].replace(",", "")
+
+
+def apply_template(prompt: str | list[dict], template: str | None) -> str | list[dict]:
+    """`template` with `{prompt}` replaced by the prompt text, or by the content of the last user
+    turn of a message list (plain replacement, so `\\boxed{}` in a template needs no escaping)."""
+    if template is None:
+        return prompt
+    if isinstance(prompt, str):
+        return template.replace("{prompt}", prompt)
+    last = max(i for i, m in enumerate(prompt) if m["role"] == "user")
+    return [*prompt[:last], {**prompt[last], "content": template.replace("{prompt}", prompt[last]["content"])},
+            *prompt[last + 1:]]
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, object]]:
@@ -68,7 +151,24 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, object]]:
                 yield where, DataError(f"{where}: malformed JSON ({e.msg}: {at})")
 
 
-def _parquet_rows(path: Path, keys: tuple[str, str]) -> Iterator[tuple[str, object]]:
+def _json_rows(path: Path) -> Iterator[tuple[str, object]]:
+    """A `.json` file: an array of objects, or JSON lines (what `datasets`' to_json writes)."""
+    with path.open("rb") as f:
+        head = f.read(4096).lstrip()
+    if not head.startswith(b"["):
+        yield from _jsonl_rows(path)
+        return
+    try:
+        records = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}: malformed JSON array ({e.msg} at line {e.lineno} column {e.colno})") from None
+    for i, record in enumerate(records, start=1):
+        yield f"{path}: record {i}", record
+
+
+def _parquet_rows(path: Path, keys: tuple[str, ...]) -> Iterator[tuple[str, object]]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -76,29 +176,56 @@ def _parquet_rows(path: Path, keys: tuple[str, str]) -> Iterator[tuple[str, obje
         table = pq.read_table(path)
     except (pa.ArrowException, OSError) as e:
         raise DataError(f"{path}: not a readable Parquet file ({e})") from None
-    missing = [k for k in keys if k not in table.column_names]
+    # A dotted key names a field inside a struct column (its first part), unless a column has that name.
+    columns = {key: key if key in table.column_names else key.split(".")[0] for key in keys}
+    missing = [key for key, column in columns.items() if column not in table.column_names]
     if missing:  # a whole-file problem: nothing to skip line by line
         raise DataError(f"{path}: no column {missing[0]!r} (columns: {table.column_names})")
-    for row, record in enumerate(table.select(list(keys)).to_pylist(), start=1):
+    wanted = sorted(set(columns.values()) | ({"data_source"} & set(table.column_names)))
+    for row, record in enumerate(table.select(wanted).to_pylist(), start=1):
         yield f"{path}: row {row}", record
 
 
-def _check(where: str, record: object, prompt_key: str, answer_key: str) -> tuple[str, str]:
-    """(prompt, answer) of one raw record, or DataError naming `where` and the fault."""
+def _check_messages(where: str, messages: list, key: str) -> None:
+    """A chat-message prompt: text roles and contents, and a user turn (for --prompt-template to rewrite
+    and for the policy to answer), else DataError naming `where`."""
+    if not messages or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                               and isinstance(m.get("content"), str) for m in messages):
+        raise DataError(f"{where}: field {key!r} is neither text nor a list of chat messages with text 'role' "
+                        f"and 'content'")
+    if not any(m["role"] == "user" for m in messages):
+        raise DataError(f"{where}: the chat messages in field {key!r} have no user turn "
+                        f"(roles: {', '.join(m['role'] for m in messages)})")
+
+
+def _check(where: str, record: object, prompt_key: str, answer_key: str,
+           answer_format: Literal["gsm8k", "math"] | None) -> tuple[str | list[dict], str]:
+    """(prompt, gold answer) of one raw record, or DataError naming `where` and the fault."""
     if isinstance(record, DataError):
         raise record
     if not isinstance(record, dict):
         raise DataError(f"{where}: expected an object, got {type(record).__name__}")
-    for key in (prompt_key, answer_key):
-        if record.get(key) is None:
+    prompt, answer = field(record, prompt_key), field(record, answer_key)
+    for key, value in ((prompt_key, prompt), (answer_key, answer)):
+        if value is None:
             raise DataError(f"{where}: missing field {key!r}")
-    prompt, answer = record[prompt_key], record[answer_key]
-    if not isinstance(prompt, str) or not prompt.strip():
+    if isinstance(prompt, list):
+        _check_messages(where, prompt, prompt_key)
+    elif not isinstance(prompt, str) or not prompt.strip():
         raise DataError(f"{where}: empty or non-text prompt in field {prompt_key!r}")
     # Numeric answers are common in maths data (42, 0.5); they are graded as text anyway.
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or not str(answer).strip():
         raise DataError(f"{where}: empty or non-text answer in field {answer_key!r}")
-    return prompt, str(answer)
+    try:
+        return prompt, gold_answer(str(answer), answer_format)
+    except ValueError as e:
+        raise DataError(f"{where}: {e}, field {answer_key!r}: {str(answer)[-60:]!r}") from None
+
+
+def _set_name(file: Path) -> str:
+    """A file's records' data source when they name none: its name, without a Hugging Face shard
+    suffix (`test-00000-of-00001.parquet` -> `test`)."""
+    return re.sub(r"-\d{5}-of-\d{5}$", "", file.stem)
 
 
 def load_records(
@@ -108,37 +235,44 @@ def load_records(
     answer_key: str = "answer",
     max_prompt_tokens: int | None = None,
     on_error: Literal["raise", "skip"] = "raise",
+    prompt_template: str | None = None,
+    answer_format: Literal["gsm8k", "math"] | None = None,
 ) -> tuple[list[dict], LoadStats]:
-    """Records of a `.jsonl` or `.parquet` file, tokenized, plus what was skipped or dropped."""
-    path = Path(path)
+    """Records of the files `path` names (`data_files`), tokenized, plus what was skipped or dropped."""
     if on_error not in ("raise", "skip"):
         raise ValueError(f"load_records: on_error must be 'raise' or 'skip', got {on_error!r}")
     if max_prompt_tokens is not None and max_prompt_tokens < 1:
         raise ValueError(f"load_records: max_prompt_tokens must be >= 1, got {max_prompt_tokens}")
-    if not path.is_file():
-        raise DataError(f"load_records: no file {path}")
-    suffix = path.suffix.lower()
-    if suffix == ".jsonl":
-        rows = _jsonl_rows(path)
-    elif suffix == ".parquet":
-        rows = _parquet_rows(path, (prompt_key, answer_key))
-    else:
-        raise DataError(f"load_records: {path}: unknown format {suffix!r} (use .jsonl or .parquet)")
-
     records, stats = [], LoadStats()
-    for where, raw in rows:
-        try:
-            prompt, answer = _check(where, raw, prompt_key, answer_key)
-        except DataError:
-            if on_error == "raise":
-                raise
-            stats.skipped_malformed += 1
-            continue
-        prompt_ids = encode_prompt(tokenizer, prompt)
-        if max_prompt_tokens is not None and len(prompt_ids) > max_prompt_tokens:
-            stats.dropped_too_long += 1
-            continue
-        records.append({"prompt": prompt, "answer": answer, "prompt_ids": prompt_ids})
+    for file in data_files(path):
+        suffix = file.suffix.lower()
+        if suffix == ".jsonl":
+            rows = _jsonl_rows(file)
+        elif suffix == ".json":
+            rows = _json_rows(file)
+        elif suffix == ".parquet":
+            rows = _parquet_rows(file, (prompt_key, answer_key))
+        else:
+            raise DataError(f"load_records: {file}: unknown format {suffix!r} (use {', '.join(SUFFIXES)})")
+        for where, raw in rows:
+            try:
+                prompt, answer = _check(where, raw, prompt_key, answer_key, answer_format)
+            except DataError:
+                if on_error == "raise":
+                    raise
+                stats.skipped_malformed += 1
+                continue
+            prompt = apply_template(prompt, prompt_template)
+            try:  # not a fault of the record, so never skipped: a tokenizer without a chat template
+                prompt_ids = encode_prompt(tokenizer, prompt)
+            except DataError as e:
+                raise DataError(f"{where}: {e}") from None
+            if max_prompt_tokens is not None and len(prompt_ids) > max_prompt_tokens:
+                stats.dropped_too_long += 1
+                continue
+            source = raw.get("data_source")
+            records.append({"prompt": prompt, "answer": answer, "prompt_ids": prompt_ids,
+                            "data_source": source if isinstance(source, str) and source else _set_name(file)})
     stats.loaded = len(records)
     return records, stats
 
@@ -183,8 +317,9 @@ def task_difficulty(cfg) -> tuple[int, int]:
 
 
 def prepare_data(cfg, tokenizer) -> tuple[list[dict], list[dict]]:
-    """(train, held-out) records: the user's `--data` file, or the built-in task (`task.py`),
-    whose problems depend only on fixed seeds so that every run sees the same data."""
+    """(train, held-out) records: the user's `--data` (held out: `--val-data`, else a hash split of
+    `--data`), or the built-in task (`task.py`), whose problems depend only on fixed seeds so that
+    every run sees the same data."""
     if cfg.data is None:
         import task
 
@@ -193,17 +328,26 @@ def prepare_data(cfg, tokenizer) -> tuple[list[dict], list[dict]]:
             problems = task.make_problems(n, seed, *task_difficulty(cfg), width)
             records[split] = [{**p, "prompt_ids": encode_prompt(tokenizer, p["prompt"])} for p in problems]
         return records["train"], records["eval"]
-    records, stats = load_records(cfg.data, tokenizer, cfg.prompt_key, cfg.answer_key,
-                                  cfg.max_prompt_tokens, "skip" if cfg.skip_bad_records else "raise")
-    print(f"data: {stats.loaded} records from {cfg.data} ({stats.skipped_malformed} malformed skipped, "
-          f"{stats.dropped_too_long} over {cfg.max_prompt_tokens} tokens dropped)")
-    if not records:
-        raise DataError(f"--data {cfg.data}: no usable records")
+    records = _load(cfg, cfg.data, tokenizer, cfg.prompt_key, cfg.answer_key)
+    if cfg.val_data:  # a held-out set of its own: the training data is not split
+        keys = (cfg.val_prompt_key or cfg.prompt_key, cfg.val_answer_key or cfg.answer_key)
+        return records, [r for spec in cfg.val_data for r in _load(cfg, spec, tokenizer, *keys)]
     train, held_out = train_eval_split(records, cfg.eval_fraction, seed=0)
     if not train or not held_out:
         raise DataError(f"--data {cfg.data}: {len(records)} records leave {len(train)} for training and "
                         f"{len(held_out)} held out at --eval-fraction {cfg.eval_fraction}; both need at least one")
     return train, held_out
+
+
+def _load(cfg, spec: str, tokenizer, prompt_key: str, answer_key: str) -> list[dict]:
+    """The records of one --data or --val-data value, with the run's template and answer format."""
+    records, stats = load_records(spec, tokenizer, prompt_key, answer_key, cfg.max_prompt_tokens,
+                                  "skip" if cfg.skip_bad_records else "raise", cfg.prompt_template, cfg.answer_format)
+    print(f"data: {stats.loaded} records from {spec} ({stats.skipped_malformed} malformed skipped, "
+          f"{stats.dropped_too_long} over {cfg.max_prompt_tokens} tokens dropped)")
+    if not records:
+        raise DataError(f"{spec}: no usable records")
+    return records
 
 
 def stream_seed(seed: int, stream: str, step: int) -> int:

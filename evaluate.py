@@ -1,12 +1,14 @@
 """Held-out evaluation: pass@1 and pass@k (paper §4: AIME pass@1 averaged over samples, pass@32).
 
-Each held-out prompt is sampled `eval_samples` times at the rollout temperature; pass@k uses the
-unbiased estimator `pass_at_k`. Records that carry a `difficulty` (the built-in task) get accuracy
-and length per difficulty as well.
+Each held-out prompt is sampled `eval_samples` times (at --eval-temperature, up to
+--eval-max-new-tokens: `eval_sampler`); pass@k uses the unbiased estimator `pass_at_k`. Records that
+carry a `difficulty` (the built-in task) get accuracy and length per difficulty as well; records of
+users' data, scores per data source (`val_metrics`: the `val/<data source>/...` metrics).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections import defaultdict
@@ -62,18 +64,12 @@ def evaluate(sampler: Sampler, records: list[dict], tag: str) -> dict:
 
 
 def summarize(records: list[dict], samples: list[tuple], n: int) -> dict:
-    """pass@1, pass@n, mean length, truncated share (and per difficulty) of (record index, correct,
-    length, truncated, text) samples, n consecutive ones per record."""
+    """pass@1, pass@n, mean length, truncated share (and per difficulty, and per data source when
+    the records name theirs) of (record index, correct, length, truncated, text) samples, n
+    consecutive ones per record."""
     flat = [records[s[0]] for s in samples]
     correct, lengths, truncated, texts = ([s[j] for s in samples] for j in range(1, 5))
-    per_prompt = [sum(correct[i : i + n]) for i in range(0, len(correct), n)]
-    result = {
-        "pass@1": sum(per_prompt) / (n * len(per_prompt)),
-        "mean_length": sum(lengths) / len(lengths),
-        "truncated": sum(truncated) / len(truncated),
-    }
-    if n > 1:
-        result[f"pass@{n}"] = sum(pass_at_k(n, c, n) for c in per_prompt) / len(per_prompt)
+    result = _scores(correct, lengths, truncated, n)
     if "difficulty" in records[0]:
         groups = defaultdict(lambda: [0, 0, 0])  # correct, length, count
         for rec, ok, length in zip(flat, correct, lengths):
@@ -82,11 +78,47 @@ def summarize(records: list[dict], samples: list[tuple], n: int) -> dict:
         result["by_difficulty"] = {
             d: {"accuracy": c / k, "mean_length": s / k} for d, (c, s, k) in sorted(groups.items())
         }
+    if "data_source" in records[0]:  # users' data: one score per held-out set (MATH-500, AIME, ...)
+        sources = defaultdict(list)  # sample indices, n consecutive ones per record as in `samples`
+        for i, rec in enumerate(flat):
+            sources[rec["data_source"]].append(i)
+        result["by_source"] = {
+            source: _scores(*([column[i] for i in idx] for column in (correct, lengths, truncated)), n)
+            for source, idx in sorted(sources.items())
+        }
     result["samples"] = [
         {"prompt": r["prompt"], "answer": r["answer"], "response": t, "correct": ok}
         for r, t, ok in zip(flat[:SHOWN_SAMPLES], texts[:SHOWN_SAMPLES], correct[:SHOWN_SAMPLES])
     ]
     return result
+
+
+def _scores(correct: list, lengths: list, truncated: list, n: int) -> dict:
+    """pass@1, pass@n, mean length and truncated share of samples, n consecutive ones per prompt."""
+    per_prompt = [sum(correct[i : i + n]) for i in range(0, len(correct), n)]
+    result = {
+        "pass@1": sum(per_prompt) / (n * len(per_prompt)),
+        "mean_length": sum(lengths) / len(lengths),
+        "truncated": sum(truncated) / len(truncated),
+    }
+    if n > 1:
+        result[f"pass@{n}"] = sum(pass_at_k(n, c, n) for c in per_prompt) / len(per_prompt)
+    return result
+
+
+def val_metrics(result: dict) -> dict:
+    """An evaluation as metrics rows take it: `val/<data source>/pass@1`, `/pass@k`, `/mean_length`,
+    `/truncated` (the built-in task's held-out set is `val/held_out/...`)."""
+    by_source = result.get("by_source") or {"held_out": {k: v for k, v in result.items() if isinstance(v, float)}}
+    return {f"val/{source}/{name}": value for source, scores in by_source.items() for name, value in scores.items()}
+
+
+def eval_sampler(sampler: Sampler) -> Sampler:
+    """The sampler of held-out evaluation: --eval-temperature and --eval-max-new-tokens where set."""
+    cfg = sampler.cfg
+    return dataclasses.replace(sampler, cfg=dataclasses.replace(
+        cfg, temperature=cfg.eval_temperature or cfg.temperature,
+        max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens))
 
 
 def evaluate_once(sampler: Sampler, records: list[dict], tag: str, path: str) -> dict:

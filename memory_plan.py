@@ -77,6 +77,35 @@ class ModelShape:
 
 
 QWEN25_32B = ModelShape(hidden=5120, layers=64, heads=40, kv_heads=8, intermediate=27648, vocab=152064, head_dim=128)
+QWEN25_7B = ModelShape(hidden=3584, layers=28, heads=28, kv_heads=4, intermediate=18944, vocab=152064, head_dim=128)
+QWEN25_1_5B = ModelShape(hidden=1536, layers=28, heads=12, kv_heads=2, intermediate=8960, vocab=151936, head_dim=128,
+                         tied=True)
+
+H200_GIB = 140.4  # what an H200 "141 GB" reports: 143,771 MiB
+GPU80_GIB = 79.6  # what an 80 GB H100 reports (81,559 MiB; an A100 80 GB reports a little more)
+
+
+@dataclass(frozen=True)
+class Target:
+    """The hardware a preset of config.PRESETS is sized for, and the model it plans when no --model
+    is given: what `train.py --preset NAME --plan` checks it against."""
+
+    gpus: int  # nodes of 8
+    gpu_gib: float
+    model: ModelShape
+    name: str
+
+
+TARGETS = {
+    "qwen2.5-1.5b": Target(1, GPU80_GIB, QWEN25_1_5B, "one 80 GB GPU"),
+    "qwen2.5-7b": Target(8, GPU80_GIB, QWEN25_7B, "one node of 8 x 80 GB GPUs"),
+    "qwen2.5-32b": Target(16, H200_GIB, QWEN25_32B, "2 nodes of 8 x H200"),
+}
+
+
+def target(preset: str) -> Target:
+    """The preset's target hardware; the CPU presets plan the paper's (Qwen2.5-32B, 2 x 8 H200)."""
+    return TARGETS.get(preset, TARGETS["qwen2.5-32b"])
 
 
 HOST_PHASES = ("loading", "training", "DCP save", "HF export")
@@ -127,7 +156,7 @@ def plan(
     mixed_precision: bool = True,
     activation_checkpointing: bool = True,
     cpu_offload: bool = False,
-    gpu_gib: float = 140.4,
+    gpu_gib: float = H200_GIB,
     reserved_gib: float = 5.0,
     gpus_per_node: int = 8,
     reference_policy: bool = False,

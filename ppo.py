@@ -49,7 +49,7 @@ def policy_loss(
 ):
     """Clipped surrogate, Eq. (1). Returns (loss, metrics) with metrics as detached 0-dim tensors:
     pg_loss, pg_clipfrac_low / pg_clipfrac_high (share of tokens whose gradient the lower / upper
-    clip removes), pg_clipfrac_dual, approx_kl (k3 estimate of KL(pi_old || pi))."""
+    clip removes), pg_clipfrac_dual, ppo_kl (k3 estimate of KL(pi_old || pi); verl's name)."""
     check_masked_inputs(mask, contents=False, log_probs=log_probs, old_log_probs=old_log_probs,
                         advantages=advantages)
     if not (0 <= clip_low < 1 and clip_high >= 0):
@@ -78,7 +78,7 @@ def policy_loss(
             "pg_clipfrac_low": masked_mean((clip_active & (advantages < 0)).to(mask.dtype), mask),
             "pg_clipfrac_high": masked_mean((clip_active & (advantages > 0)).to(mask.dtype), mask),
             "pg_clipfrac_dual": masked_mean(dual_active.to(mask.dtype), mask),
-            "approx_kl": masked_mean(kl_penalty(old_log_probs, log_probs, "k3"), mask),
+            "ppo_kl": masked_mean(kl_penalty(old_log_probs, log_probs, "k3"), mask),
         }
     return agg, metrics
 

@@ -7,6 +7,8 @@ The run directory, <out_dir>/<run_name>/:
     eval_sft.json   pi_SFT's held-out scores, computed once (`evaluate.evaluate_once`).
     metrics.jsonl   one row per PPO step, plus TensorBoard events (`MetricsLog`).
     checkpoint/     actor, critic, optimizers, schedulers and step (`save` / `resume`).
+    actor_hf/       the final actor in Hugging Face format, tokenizer included (train.export_actor;
+                    actor_hf_steps/step_<N>/ with --save-hf-every).
     value_pretrain  a link to the value-pretrained critic and its curve, a stage shared by the runs
                     that pretrain the same critic (`build_shared`, below).
     summary.json    pi_SFT's and the final policy's scores (train.py).
@@ -38,9 +40,10 @@ STAGE_SETTINGS = "settings.json"  # in a cached stage's directory: what it was b
 # What may differ between a run directory's config.json and a rerun or --resume of it: the run's
 # length, and how it runs (memory savers and throughput levers too, to resume a run that ran out of
 # memory or time).
-MAY_CHANGE = ("resume", "threads", "steps", "save_every", "grader_workers", "grader_timeout_s",
-              "micro_batch_size", "activation_checkpointing", "cpu_offload", "gpu_memory_utilization",
-              "checkpoint_fraction", "micro_batch_tokens", "logprob_chunk_tokens", "compile_layers")
+MAY_CHANGE = ("resume", "threads", "steps", "save_every", "save_hf_every", "eval_every", "grader_workers",
+              "grader_timeout_s", "wandb_project", "micro_batch_size", "activation_checkpointing", "cpu_offload",
+              "gpu_memory_utilization", "checkpoint_fraction", "micro_batch_tokens", "logprob_chunk_tokens",
+              "compile_layers")
 # What a rerun takes from the run directory instead of computing it again: never without the
 # config.json that says which settings made it.
 REUSED = ("eval_sft.json", "value_pretrain", "checkpoint", "checkpoint.tmp", "checkpoint.old")
@@ -199,13 +202,20 @@ def last_checkpoint(run_dir: str) -> str:
 
 
 class MetricsLog:
-    """metrics.jsonl + TensorBoard, written by rank 0; a resumed run first drops the rows after its
-    checkpoint."""
+    """metrics.jsonl + TensorBoard (+ Weights & Biases with `wandb_project`), written by rank 0; a
+    resumed run first drops the rows after its checkpoint (wandb keeps what it was sent)."""
 
-    def __init__(self, run_dir: str, keep_up_to_step: int):
+    def __init__(self, run_dir: str, keep_up_to_step: int, wandb_project: str | None = None,
+                 config: dict | None = None):
         self.path, self.enabled = os.path.join(run_dir, "metrics.jsonl"), fsdp_utils.is_main()
+        self.wandb = None
         if not self.enabled:
             return
+        if wandb_project is not None:  # config.validate checked that it imports
+            import wandb
+
+            self.wandb = wandb.init(project=wandb_project, name=os.path.basename(os.path.normpath(run_dir)),
+                                    dir=run_dir, config=config)
         from torch.utils.tensorboard import SummaryWriter
 
         kept = []
@@ -224,6 +234,14 @@ class MetricsLog:
         for key, value in metrics.items():
             self.tb.add_scalar(key, value, step)
         self.tb.flush()
+        if self.wandb is not None:  # undefined values (NaN) are left out, as wandb has no null
+            self.wandb.log({k: v for k, v in json_safe(metrics).items() if v is not None}, step=step)
+
+    def close(self) -> None:
+        if self.enabled:
+            self.tb.close()
+            if self.wandb is not None:
+                self.wandb.finish()
 
 
 def _logged_step(line: str) -> float:

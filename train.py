@@ -14,6 +14,7 @@ One PPO step: rollout -> reward -> values and log-probs -> decoupled GAE -> PPO 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import os
@@ -31,7 +32,7 @@ import rundir
 from config import Config, ConfigError, launch_world_size, parse_config
 from critic import check_orm, critic_loss, load_value_model, prepare_orm, response_values
 from data import DataError, prepare_data, sample_prompts, stream_seed
-from evaluate import evaluate, evaluate_once
+from evaluate import eval_sampler, evaluate, evaluate_once, val_metrics
 from gae import compute_gae, decoupled_gae, grpo_advantages, length_adaptive_lambda
 from masked import check_masked_inputs, masked_mean
 from ppo import aggregate_loss, entropy_from_logits, explained_variance, kl_penalty, policy_loss
@@ -198,7 +199,8 @@ def rollout_metrics(scored: ScoredBatch, per_token: dict, advantages, timings: d
     metrics = {
         "response_length/mean": lengths.mean().item(),
         "response_length/max": lengths.max().item(),
-        "response_length/truncated_frac": sum(batch.truncated) / len(batch),
+        "response_length/clip_ratio": sum(batch.truncated) / len(batch),
+        "prompt_length/mean": batch.prompt_mask.sum(-1).float().mean().item(),
         "reward/mean": scored.outcomes.mean().item(),
         "reward/accuracy": (scored.outcomes > 0).float().mean().item(),
         "reward/grader_timeouts": scored.grader_timeouts,
@@ -208,14 +210,15 @@ def rollout_metrics(scored: ScoredBatch, per_token: dict, advantages, timings: d
     if "old_values" in per_token:
         values = per_token["old_values"]
         metrics |= {"critic/values_mean": masked_mean(values, mask).item(),
-                    "critic/vf_explained_var": explained_variance(values, per_token["returns"], mask).item()}
+                    "critic/vf_explained_var": explained_variance(values, per_token["returns"], mask).item(),
+                    "critic/returns/mean": masked_mean(per_token["returns"], mask).item()}
         metrics |= critic_error_metrics(scored, values, advantages, gamma)
     metrics |= {f"advantage/pos_bin{b}": v for b, v in enumerate(mean_by_position(advantages, mask))}
-    metrics |= {f"time/{k}": v for k, v in timings.items()}
-    metrics["time/step"] = sum(timings.values())
-    metrics["perf/tokens_per_s"] = mask.sum().item() / metrics["time/step"]
+    metrics |= {f"timing_s/{k}": v for k, v in timings.items()}
+    metrics["timing_s/step"] = sum(timings.values())
+    metrics["perf/throughput"] = (batch.prompt_mask.sum() + mask.sum()).item() / metrics["timing_s/step"]  # per GPU
     return fsdp_utils.reduce_metrics(metrics, maxes=("response_length/max",),
-                                     sums=("reward/grader_timeouts", "reward/missing_box", "perf/tokens_per_s"))
+                                     sums=("reward/grader_timeouts", "reward/missing_box"))
 
 
 def check_diverged(metrics: dict, models: dict) -> None:
@@ -246,14 +249,25 @@ def build_engine(cfg, actor, path: str, tokenizer):
     if cfg.rollout == "hf":
         return HFRollout(actor, tokenizer)
     return VLLMRollout(path, tokenizer, tensor_parallel_size=cfg.tensor_parallel_size,
-                       max_model_len=cfg.max_prompt_tokens + cfg.max_new_tokens,
+                       max_model_len=cfg.max_prompt_tokens + max(cfg.max_new_tokens, cfg.eval_max_new_tokens or 0),
                        gpu_memory_utilization=cfg.gpu_memory_utilization, seed=cfg.seed)
 
 
+def export_actor(cfg, actor, tokenizer, path: str) -> None:
+    """The actor as a Hugging Face checkpoint with its tokenizer, which `from_pretrained`, vLLM and
+    evaluation harnesses open as they are: streamed from the shards (`checkpoints.export_hf_checkpoint`,
+    a collective: every rank calls it), in bf16 when the run computes in bf16, else fp32."""
+    if fsdp_utils.is_main():
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    checkpoints.export_hf_checkpoint(actor, tokenizer, path, dtype=torch.bfloat16 if cfg.mixed_precision else None)
+
+
 def print_plan(cfg: Config) -> None:
-    """--plan: per-GPU and per-node host memory of this config at torchrun's world size (16 when
-    not under torchrun, nodes of LOCAL_WORLD_SIZE or 8 GPUs), then what it needs at 8 and 16 GPUs."""
-    shape = memory_plan.QWEN25_32B  # --plan without --model: the paper's model
+    """--plan: per-GPU and per-node host memory of this config at torchrun's world size (without
+    torchrun, the preset's target: memory_plan.TARGETS; nodes of LOCAL_WORLD_SIZE or 8 GPUs), then
+    what it needs at the target's, 8 and 16 GPUs."""
+    target = memory_plan.target(cfg.preset)
+    shape = target.model  # --plan without --model: the preset's model (the paper's for the CPU presets)
     if cfg.model is not None:  # only its config.json is read: no weights needed to plan
         check_model(cfg.model, weights=False)
         shape = memory_plan.ModelShape.from_config(AutoConfig.from_pretrained(cfg.model))
@@ -262,10 +276,12 @@ def print_plan(cfg: Config) -> None:
         micro_batch_tokens=cfg.micro_batch_tokens or cfg.micro_batch_size * (cfg.max_prompt_tokens + cfg.max_new_tokens),
         gpu_memory_utilization=cfg.gpu_memory_utilization, mixed_precision=cfg.mixed_precision,
         activation_checkpointing=cfg.activation_checkpointing, cpu_offload=cfg.cpu_offload,
-        gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", 8)), reference_policy=bool(cfg.kl_coef),
+        gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", 8)), gpu_gib=target.gpu_gib,
+        reference_policy=bool(cfg.kl_coef),
     )
+    print(f"target of --preset {cfg.preset}: {target.name} ({target.gpu_gib} GiB a GPU)")
     print(memory_plan.plan(shape, launch_world_size(cfg), **options))
-    print("\n".join(memory_plan.needs(shape, **options)))
+    print("\n".join(memory_plan.needs(shape, world_sizes=sorted({target.gpus, 8, 16}), **options)))
 
 
 def main(cfg: Config) -> dict:
@@ -292,7 +308,8 @@ def main(cfg: Config) -> dict:
     models = {"actor": load_actor(cfg, sft_path, dist_info)}
     sampler = Sampler(cfg, build_engine(cfg, models["actor"], sft_path, tokenizer), tokenizer, grader)
     run_dir = rundir.prepare(cfg)
-    summary = {"sft": evaluate_once(sampler, eval_records, "sft", os.path.join(run_dir, "eval_sft.json"))}
+    evaluator = eval_sampler(sampler)
+    summary = {"sft": evaluate_once(evaluator, eval_records, "sft", os.path.join(run_dir, "eval_sft.json"))}
     if cfg.estimator == "gae":  # GRPO has no critic
         critic_init = sft_path if cfg.critic_init == "sft" else prepare_orm(cfg, sft_path, sampler, train_records)
         models["critic"], pretrained = prepare_value_critic(cfg, run_dir, critic_init, sampler, train_records,
@@ -308,9 +325,11 @@ def main(cfg: Config) -> dict:
     start = rundir.resume(cfg, run_dir, models, optimizers, schedulers)
     if start:
         sampler.engine.sync_weights(models["actor"])  # the rollout engine samples from the restored actor
-    log = rundir.MetricsLog(run_dir, keep_up_to_step=start - 1)
+    log = rundir.MetricsLog(run_dir, keep_up_to_step=start - 1, wandb_project=cfg.wandb_project,
+                            config=dataclasses.asdict(cfg))
 
     bar = tqdm(range(start, cfg.steps), desc="PPO", dynamic_ncols=True, disable=not fsdp_utils.is_main())
+    final = None  # the held-out scores after the last step
     for step in bar:
         try:
             metrics = ppo_step(cfg, step, sampler, train_records, models, optimizers, reference)
@@ -318,15 +337,25 @@ def main(cfg: Config) -> dict:
         except FloatingPointError as err:  # a diverged model: say so, and what is left to resume from
             raise FloatingPointError(f"PPO step {step}: {err}; stopped: the model diverged. "
                                      f"{rundir.last_checkpoint(run_dir)}") from None
+        metrics["actor/lr"] = schedulers[0].get_last_lr()[0]  # the rate this step's updates used
         for scheduler in schedulers:
             scheduler.step()
         sampler.engine.sync_weights(models["actor"])
+        last = step + 1 == cfg.steps
+        if last or cfg.eval_every and (step + 1) % cfg.eval_every == 0:
+            result = evaluate(evaluator, eval_records, f"step {step}")
+            metrics |= val_metrics(result)
+            final = result if last else None
         log.write(step, metrics)
         bar.set_postfix(acc=f"{metrics['reward/accuracy']:.2f}", len=f"{metrics['response_length/mean']:.0f}")
-        if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
+        if (step + 1) % cfg.save_every == 0 or last:
             rundir.save(cfg, run_dir, step, models, optimizers, schedulers)
+        if cfg.save_hf_every and (step + 1) % cfg.save_hf_every == 0 and not last:
+            export_actor(cfg, models["actor"], tokenizer, os.path.join(run_dir, "actor_hf_steps", f"step_{step + 1}"))
 
-    summary["ppo"] = evaluate(sampler, eval_records, "ppo")
+    summary["ppo"] = final or evaluate(evaluator, eval_records, "ppo")
+    log.close()
+    export_actor(cfg, models["actor"], tokenizer, os.path.join(run_dir, "actor_hf"))
     grader.close()
     if fsdp_utils.is_main():
         rundir.write_json(os.path.join(run_dir, "summary.json"), summary)
@@ -349,8 +378,8 @@ def print_summary(summary: dict, run_dir: str) -> None:
         ev = "undefined (all returns equal)" if ev is None or math.isnan(ev) else f"{ev:.3f}"
         print(f"value pretraining: final value loss {vp['value_loss']:.4f}, "
               f"explained variance {ev} after {vp['step'] + 1} steps")
-    print(f"\nwrote {run_dir}/: config.json, metrics.jsonl, TensorBoard events, checkpoint/, eval_sft.json, "
-          f"summary.json")
+    print(f"\nwrote {run_dir}/: config.json, metrics.jsonl, TensorBoard events, checkpoint/, actor_hf/ (the final "
+          f"policy in Hugging Face format), eval_sft.json, summary.json")
 
 
 if __name__ == "__main__":

@@ -37,13 +37,18 @@ from sampling import Sampler
 # seed, or vc-ppo-no-dgae's), so they share it; every other setting keys it.
 PPO_ONLY = ("run_name", "out_dir", "resume", "plan", "steps", "lam_actor", "lam_critic", "length_adaptive_alpha",
             "actor_lr", "lr_warmup_steps", "clip_low", "clip_high", "dual_clip", "whiten_advantages", "kl_coef",
-            "kl_estimator", "entropy_coef")
+            "kl_estimator", "entropy_coef", "eval_every", "eval_temperature", "eval_max_new_tokens", "save_hf_every",
+            "wandb_project")
+# Data settings added after critics had been pretrained and shared: left out of the key while unset,
+# so that those critics are still found.
+KEYED_WHEN_SET = ("val_data", "val_prompt_key", "val_answer_key", "prompt_template", "answer_format")
 
 
 def pretrain_settings(cfg) -> dict:
     """What the pretrained critic depends on: every setting but PPO_ONLY, and the world size (each rank
     samples its own share)."""
-    settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in PPO_ONLY} | {"world_size": world_size()}
+    settings = {k: v for k, v in dataclasses.asdict(cfg).items()
+                if k not in PPO_ONLY and not (k in KEYED_WHEN_SET and v is None)} | {"world_size": world_size()}
     if cfg.critic_init == "rm" and cfg.model is not None:  # then each run trains its own ORM (critic.orm_path)
         settings["run_name"] = cfg.run_name
     return settings

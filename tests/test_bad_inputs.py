@@ -12,6 +12,7 @@ import io
 import json
 import re
 import runpy
+import shlex
 import shutil
 import subprocess
 import sys
@@ -284,6 +285,9 @@ def test_a_bad_model_directory_prints_one_line_from_the_real_command_line(sft, t
     assert not (tmp_path / "runs").exists()
 
 
+PRESET_PARAMS = {"qwen2.5-1.5b": "1.54B", "qwen2.5-7b": "7.62B", "qwen2.5-32b": "32.76B"}
+
+
 def test_the_readme_plan_examples_run(sft, monkeypatch):
     readme = (ROOT / "README.md").read_text()
     commands = [line for line in readme.splitlines() if re.match(r"^(WORLD_SIZE=\d+ )?python train.py .*--plan", line)]
@@ -294,9 +298,34 @@ def test_the_readme_plan_examples_run(sft, monkeypatch):
         while "=" in argv[0]:  # VAR=value before the command
             monkeypatch.setenv(*argv.pop(0).split("="))
         error, stdout = run_script("train.py", *argv[2:])
-        assert error is None and "peak" in stdout, (command, error)
-        if "--model" not in command:
-            assert "actor 32.76B parameters" in stdout  # the paper's model
+        assert error is None and "peak" in stdout and "fits" in stdout.split("peak")[1], (command, error)
+        if "--model" not in command:  # the preset's own model: the paper's for qwen2.5-32b
+            preset = argv[argv.index("--preset") + 1]
+            assert f"actor {PRESET_PARAMS[preset]} parameters" in stdout, command
+    assert set(PRESET_PARAMS) <= {c.split("--preset ")[1].split()[0] for c in commands}  # each GPU preset's plan
+
+
+def test_the_readme_quickstart_command_parses_and_reads_gsm8k_as_shipped(sft, tmp_path):
+    """The one-GPU quickstart's flags, with the GSM8K sample (tests/data/formats) for the downloaded
+    files: the 1.5B preset, the question field, the final numbers as gold answers, the template."""
+    from transformers import AutoTokenizer
+
+    from config import parse_config
+    from data import prepare_data
+
+    readme = (ROOT / "README.md").read_text()
+    command = readme.split("## Quickstart on one GPU")[1].split("python train.py ")[1].split("```")[0]
+    command = command.replace("\\\n", " ")  # the shell's line continuations
+    sample = str(ROOT / "tests" / "data" / "formats" / "gsm8k.jsonl")
+    argv = shlex.split(command.replace("~/models/qwen2.5-1.5b-instruct", sft).replace(
+        "~/data/gsm8k/main/train-00000-of-00001.parquet", sample).replace(
+        "~/data/gsm8k/main/test-00000-of-00001.parquet", sample))
+    cfg = parse_config([*argv, "--out-dir", str(tmp_path)])
+    assert (cfg.preset, cfg.actor_lr, cfg.rollout, cfg.mixed_precision) == ("qwen2.5-1.5b", 1e-6, "vllm", True)
+    train_records, held_out = prepare_data(cfg, AutoTokenizer.from_pretrained(sft))
+    assert [r["answer"] for r in held_out] == ["54", "1625", "-5", "84"] == [r["answer"] for r in train_records]
+    assert train_records[0]["prompt"].endswith("in all? Please reason step by step, and put your final answer "
+                                               "within \\boxed{}.")
 
 
 # 7. Metrics files are strict JSON -----------------------------------------------------------------------------
@@ -321,3 +350,52 @@ def test_unicode_digits_are_not_ascii_numbers():
 
     assert rule_reward("\\boxed{١٢٣٤}", "1234") == -1.0 and rule_reward("\\boxed{１２３４}", "1234") == -1.0
     assert rule_reward("\\boxed{１２３４}", "１２３４") == 1.0  # the ground truth's own text
+
+
+# 8. Users' data in the layouts of verl, TRL and GSM8K: one line each, nothing written --------------------
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    """Files that break each rule of a layout, one fault each (on the second record). Text prompts
+    elsewhere: pi_SFT's tokenizer has no chat template, which chat-message prompts need."""
+    root = tmp_path_factory.mktemp("layouts")
+
+    def jsonl(name, rows):
+        (root / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return str(root / name)
+
+    (root / "empty").mkdir()
+    return {
+        "no_user": jsonl("no_user.jsonl", [{"prompt": "1+1=", "answer": "2"},
+                                           {"prompt": [{"role": "system", "content": "be brief"}], "answer": "4"}]),
+        "nested": jsonl("nested.jsonl", [{"data_source": "d", "prompt": "1+1=", "reward_model": {"ground_truth": "2"}},
+                                         {"data_source": "d", "prompt": "2+2=", "reward_model": {"style": "rule"}}]),
+        "gsm8k": jsonl("gsm8k.jsonl", [{"question": "1+1=", "answer": "1+1 = 2\n#### 2"},
+                                       {"question": "2+2=", "answer": "2+2 is four\n#### four"}]),
+        "train": jsonl("train.jsonl", [{"prompt": "1+1=", "answer": "2"}] * 4),
+        "val_other_schema": jsonl("val.jsonl", [{"problem": "3+3=", "solution": "6"}]),
+        "empty_glob": str(root / "empty" / "*.parquet"),
+    }
+
+
+@pytest.mark.parametrize("case, flags, match", [
+    ("no_user", [], r"no_user\.jsonl:2: the chat messages in field 'prompt' have no user turn \(roles: system\)"),
+    ("nested", ["--answer-key", "reward_model.ground_truth"],
+     r"nested\.jsonl:2: missing field 'reward_model\.ground_truth'"),
+    ("gsm8k", ["--prompt-key", "question"], r"gsm8k\.jsonl:2: no number after '####' in the answer \(GSM8K format\)"),
+    ("train", ["--val-data", "{val_other_schema}"], r"val\.jsonl:1: missing field 'prompt'"),
+    ("empty_glob", [], r"--data = '.*empty/\*\.parquet' \(must be a file, a folder of .json/.jsonl/.parquet files or "
+                       r"a glob matching files"),
+])
+def test_users_data_faults_stop_with_one_line_and_write_nothing(out_dir, sft, layouts, case, flags, match):
+    flags = [f.format(**layouts) for f in flags]
+    refused(out_dir, "--run-name", "layouts", "--model", sft, "--data", layouts[case], *flags, *QUICK, match=match)
+    assert not (out_dir / "layouts").exists()
+
+
+def test_wandb_asked_for_but_not_installed_stops_with_one_line(out_dir, monkeypatch):
+    """wandb is optional (not in requirements.txt): without it --wandb-project says how to get it."""
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
+    refused(out_dir, "--run-name", "tracked", "--wandb-project", "vc-ppo", *QUICK,
+            match=r"--wandb-project = 'vc-ppo' \(must be unset: wandb is not installed \(pip install wandb\)\)")

@@ -1,7 +1,9 @@
-"""data.py: loading JSONL / Parquet prompt files, error reporting, chat templates, the split."""
+"""data.py: loading JSONL / JSON / Parquet prompt files in the layouts users bring, error reporting, chat
+templates, gold answers, the split."""
 
 import json
 import random
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -119,7 +121,8 @@ def test_unreadable_parquet_and_empty_splits_are_data_errors(tmp_path):
     with pytest.raises(DataError, match=r"d\.parquet: not a readable Parquet file"):
         load_records(tmp_path / "d.parquet", char_tokenizer())
     cfg = SimpleNamespace(data=str(write_jsonl(tmp_path / "d.jsonl", GOOD)), prompt_key="prompt",
-                          answer_key="answer", max_prompt_tokens=64, skip_bad_records=False, eval_fraction=0.1)
+                          answer_key="answer", max_prompt_tokens=64, skip_bad_records=False, eval_fraction=0.1,
+                          val_data=None, prompt_template=None, answer_format=None)
     with pytest.raises(DataError, match="3 records leave 3 for training and 0 held out"):
         prepare_data(cfg, char_tokenizer())  # round(3 * 0.1) = 0 held out
 
@@ -228,3 +231,123 @@ def test_task_difficulty_draws_the_built_in_problems_from_its_range_and_keeps_pi
     assert sft_settings(sft_config(longer)) == sft_settings(sft_config(default))  # one pi_SFT for both
     assert orm_settings(longer) != orm_settings(default)  # the ORM is trained on the run's own problems
     assert orm_path(longer).endswith("orm-long-k46-52") and orm_path(default).endswith("orm-long")  # kept apart
+
+
+# --- the layouts users bring (tests/data/formats, written by its write_samples.py) ------------------------
+
+FORMATS = Path(__file__).resolve().parent / "data" / "formats"
+
+
+@pytest.fixture(scope="module")
+def grader():
+    from reward import Grader
+
+    with Grader(num_workers=1, timeout_s=10.0) as g:
+        yield g
+
+
+@pytest.mark.parametrize("file, keys, golds, sources, graded", [
+    # GSM8K: the final number after '####', thousands separator dropped
+    ("gsm8k.jsonl", {"prompt_key": "question"}, ["54", "1625", "-5", "84"], {"gsm8k"},
+     (1, "so the library has \\boxed{1625} books", "\\boxed{1250}")),
+    # verl: chat-message prompts, the nested ground truth, each row's data_source
+    ("verl.parquet", {"answer_key": "reward_model.ground_truth"},
+     ["54", "1625", "-5", "84", "\\frac{1}{2}", "4", "8", "x^2 + 2x + 1"],
+     {"openai/gsm8k", "DigitalLearningGmbH/MATH-lighteval"}, (4, "\\boxed{0.5}", "\\boxed{2}")),
+    # MATH as a JSON array: the solution is the gold; the grader reads its last box
+    ("math.json", {"prompt_key": "problem", "answer_key": "solution"}, None, {"math"},
+     (1, "x = \\boxed{4}", "\\boxed{5}")),
+    # TRL's conversational prompts, a system turn first
+    ("trl.jsonl", {"answer_key": "solution"}, None, {"trl"}, (3, "\\boxed{1 + 2x + x^2}", "\\boxed{x^2 + 1}")),
+])
+def test_each_sample_layout_loads_and_grades_a_right_and_a_wrong_response(grader, file, keys, golds, sources,
+                                                                          graded):
+    records, stats = load_records(FORMATS / file, char_tokenizer(TEMPLATE), **keys)
+    assert stats.loaded == len(records) == (8 if golds and len(golds) == 8 else 4) and stats.skipped_malformed == 0
+    if golds is not None:
+        assert [r["answer"] for r in records] == golds
+    assert {r["data_source"] for r in records} == sources
+    text = char_tokenizer(TEMPLATE).decode(records[0]["prompt_ids"])
+    assert text.startswith("<u>") and text.endswith("<a>")
+    i, right, wrong = graded
+    assert grader.grade([right, wrong], [records[i]["answer"]] * 2).outcomes == [1.0, -1.0]
+
+
+def test_gsm8k_answers_are_graded_by_their_final_number():
+    from data import gold_answer
+
+    assert gold_answer("18 + 54 = <<18+54=72>>72\n#### 72", None) == "72"  # detected
+    assert gold_answer("#### 1,000,000", "gsm8k") == "1000000" and gold_answer("#### -3.50", None) == "-3.50"
+    assert gold_answer("\\boxed{4}", None) == "\\boxed{4}"  # MATH: as written
+    assert gold_answer("#### 72", "math") == "#### 72"  # told otherwise: no detection
+    with pytest.raises(ValueError, match="no number after '####'"):
+        gold_answer("so the answer is\n#### many", None)
+    with pytest.raises(ValueError, match="no '#### <number>'"):
+        gold_answer("72", "gsm8k")
+
+
+def test_dotted_keys_read_nested_fields_and_name_the_row_that_lacks_one(tmp_path):
+    from data import field
+
+    assert field({"a": {"b": {"c": 3}}}, "a.b.c") == 3 and field({"a.b": 1, "a": {"b": 2}}, "a.b") == 1
+    assert field({"a": {"b": 2}}, "a.c") is None and field({"a": 5}, "a.b") is None
+    rows = [{"prompt": "1+1=", "reward_model": {"ground_truth": "2"}}, {"prompt": "2+2=", "reward_model": {}}]
+    with pytest.raises(DataError, match=r"d\.jsonl:2: missing field 'reward_model\.ground_truth'"):
+        load_records(write_jsonl(tmp_path / "d.jsonl", rows), char_tokenizer(), answer_key="reward_model.ground_truth")
+    rows[1]["reward_model"] = {"ground_truth": None}  # a struct column: the field is there, empty
+    pd.DataFrame(rows).to_parquet(tmp_path / "d.parquet")
+    with pytest.raises(DataError, match=r"d\.parquet: row 2: missing field 'reward_model\.ground_truth'"):
+        load_records(tmp_path / "d.parquet", char_tokenizer(), answer_key="reward_model.ground_truth")
+    with pytest.raises(DataError, match=r"d\.parquet: no column 'solution\.x'"):
+        load_records(tmp_path / "d.parquet", char_tokenizer(), answer_key="solution.x")
+
+
+def test_prompt_template_rewrites_text_and_the_last_user_turn(tmp_path):
+    from data import apply_template
+
+    template = "{prompt} Put the answer in \\boxed{}."
+    assert apply_template("1+1=", template) == "1+1= Put the answer in \\boxed{}."
+    chat = [{"role": "system", "content": "s"}, {"role": "user", "content": "q1"},
+            {"role": "assistant", "content": "a"}, {"role": "user", "content": "q2"}]
+    assert [m["content"] for m in apply_template(chat, template)] == ["s", "q1", "a", "q2 Put the answer in \\boxed{}."]
+    records, _ = load_records(write_jsonl(tmp_path / "d.jsonl", [{"prompt": chat, "answer": "2"}]),
+                              char_tokenizer(TEMPLATE), prompt_template=template)
+    assert char_tokenizer().decode(records[0]["prompt_ids"]) == "<u>s<u>q1<u>a<u>q2 Put the answer in \\boxed{}.<a>"
+
+
+def test_chat_messages_need_a_user_turn_and_a_chat_template(tmp_path):
+    no_user = {"prompt": [{"role": "system", "content": "be brief"}], "answer": "1"}
+    path = write_jsonl(tmp_path / "d.jsonl", GOOD[:1] + [no_user])
+    with pytest.raises(DataError, match=r"d\.jsonl:2: the chat messages in field 'prompt' have no user turn "
+                                        r"\(roles: system\)"):
+        load_records(path, char_tokenizer(TEMPLATE))
+    assert load_records(path, char_tokenizer(TEMPLATE), on_error="skip")[1].skipped_malformed == 1
+    write_jsonl(path, [{"prompt": [{"role": "user", "text": "x"}], "answer": "1"}])
+    with pytest.raises(DataError, match="neither text nor a list of chat messages"):
+        load_records(path, char_tokenizer(TEMPLATE))
+    write_jsonl(path, [{"prompt": [{"role": "user", "content": "1+1="}], "answer": "2"}])
+    with pytest.raises(DataError, match=r"d\.jsonl:1: chat-message prompts need a tokenizer with a chat template"):
+        load_records(path, char_tokenizer(), on_error="skip")  # the tokenizer's fault: never skipped
+
+
+def test_several_files_a_folder_a_glob_and_json_arrays(tmp_path):
+    from data import data_files
+
+    write_jsonl(tmp_path / "a-00000-of-00002.jsonl", GOOD[:2])  # a Hugging Face shard: data source "a"
+    (tmp_path / "b.json").write_text(json.dumps(GOOD[2:]))  # an array
+    (tmp_path / "notes.txt").write_text("not data")
+    (tmp_path / "sub").mkdir()
+    write_jsonl(tmp_path / "sub" / "c.json", GOOD[:1])  # JSON lines under .json, as `datasets` writes them
+    assert data_files(tmp_path) == [tmp_path / "a-00000-of-00002.jsonl", tmp_path / "b.json"]
+    assert data_files(f"{tmp_path}/**/*.json") == [tmp_path / "b.json", tmp_path / "sub" / "c.json"]
+    records, stats = load_records(tmp_path, char_tokenizer())
+    assert [(r["prompt"], r["data_source"]) for r in records] == [("1+1=", "a"), ("half of 1?", "a"), ("3*3", "b")]
+    assert [r["prompt"] for r in load_records(tmp_path / "sub" / "c.json", char_tokenizer())[0]] == ["1+1="]
+    with pytest.raises(DataError, match=r"\*\.parquet: the pattern matches no file"):
+        data_files(f"{tmp_path}/*.parquet")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="empty: a folder with no .jsonl, .json, .parquet file"):
+        data_files(tmp_path / "empty")
+    (tmp_path / "b.json").write_text('[{"prompt": "x", "answer": 1}, {"prompt": ]')
+    with pytest.raises(DataError, match=r"b\.json: malformed JSON array \(Expecting value at line 1 column 43\)"):
+        load_records(tmp_path / "b.json", char_tokenizer())

@@ -23,3 +23,39 @@ def test_pass_at_k_is_stable_for_large_n_and_rejects_bad_counts():
     for n, c, k in [(4, 5, 1), (4, -1, 1), (4, 1, 0), (4, 1, 5)]:
         with pytest.raises(ValueError):
             pass_at_k(n, c, k)
+
+
+def test_scores_are_reported_per_data_source_as_val_metrics():
+    """Two held-out sets (MATH-500 and AIME, say) get their own pass@1, pass@2, length and
+    truncated share; the built-in task's one set is val/held_out."""
+    from evaluate import summarize, val_metrics
+
+    records = [{"prompt": "a", "answer": "1", "data_source": "math500"},
+               {"prompt": "b", "answer": "2", "data_source": "aime"},
+               {"prompt": "c", "answer": "3", "data_source": "math500"}]
+    # (record, correct, length, truncated, text), two samples per record
+    samples = [(0, True, 10, False, ""), (0, False, 20, False, ""), (1, False, 30, True, ""),
+               (1, False, 50, True, ""), (2, True, 4, False, ""), (2, True, 6, False, "")]
+    metrics = val_metrics(summarize(records, samples, n=2))
+    assert metrics == {"val/aime/pass@1": 0.0, "val/aime/mean_length": 40.0, "val/aime/truncated": 1.0,
+                       "val/aime/pass@2": 0.0, "val/math500/pass@1": 0.75, "val/math500/mean_length": 10.0,
+                       "val/math500/truncated": 0.0, "val/math500/pass@2": 1.0}
+    builtin = [{k: v for k, v in r.items() if k != "data_source"} for r in records]
+    assert val_metrics(summarize(builtin, samples, n=2)) == {
+        "val/held_out/pass@1": 0.5, "val/held_out/mean_length": 20.0, "val/held_out/truncated": 1 / 3,
+        "val/held_out/pass@2": 2 / 3}
+
+
+def test_held_out_sampling_takes_its_own_temperature_and_length_where_set():
+    import config
+    from evaluate import eval_sampler
+    from sampling import Sampler
+
+    base = config.parse_config(["--temperature", "0.9", "--max-new-tokens", "50"])
+    sampler = Sampler(base, engine=None, tokenizer=None, grader=None)
+    assert (eval_sampler(sampler).cfg.temperature, eval_sampler(sampler).cfg.max_new_tokens) == (0.9, 50)
+    own = config.parse_config(["--temperature", "0.9", "--max-new-tokens", "50", "--eval-temperature", "0.6",
+                               "--eval-max-new-tokens", "80"])
+    evaluator = eval_sampler(Sampler(own, engine=None, tokenizer=None, grader=None))
+    assert (evaluator.cfg.temperature, evaluator.cfg.max_new_tokens) == (0.6, 80)
+    assert own.temperature == 0.9 and own.max_new_tokens == 50  # training's own settings are left as they were

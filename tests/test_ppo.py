@@ -225,10 +225,10 @@ def test_kl_estimators_are_zero_at_equality_and_k1_k3_are_unbiased():
         kl_penalty(lp, lref, "k4")
 
 
-def test_approx_kl_metric_is_zero_for_unchanged_policy_and_positive_otherwise():
+def test_ppo_kl_metric_is_zero_for_unchanged_policy_and_positive_otherwise():
     new, old, adv, mask = policy_batch(seed=7)
-    assert policy_loss(old, old, adv, mask)[1]["approx_kl"].item() == 0.0
-    assert policy_loss(new, old, adv, mask)[1]["approx_kl"].item() > 0.0
+    assert policy_loss(old, old, adv, mask)[1]["ppo_kl"].item() == 0.0
+    assert policy_loss(new, old, adv, mask)[1]["ppo_kl"].item() > 0.0
 
 
 def test_explained_variance_perfect_mean_only_padding_and_constant_returns():
@@ -400,8 +400,8 @@ def test_kl_estimators_k1_and_k3_have_the_exact_kl_as_expectation():
     assert (kl_penalty(pi.log()[None], ref.log()[None], "k3") >= 0).all()
 
 
-def test_approx_kl_metric_estimates_kl_from_old_to_new_policy_on_old_samples():
-    """policy_loss's approx_kl is the k3 estimate of KL(pi_old || pi) over tokens sampled from
+def test_ppo_kl_metric_estimates_kl_from_old_to_new_policy_on_old_samples():
+    """policy_loss's ppo_kl is the k3 estimate of KL(pi_old || pi) over tokens sampled from
     pi_old: four tokens drawn in exact proportion to pi_old = (1/2, 1/4, 1/4) give it exactly."""
     old_p = torch.tensor([0.5, 0.25, 0.25], dtype=torch.float64)
     new_p = torch.tensor([0.1, 0.6, 0.3], dtype=torch.float64)
@@ -409,7 +409,7 @@ def test_approx_kl_metric_estimates_kl_from_old_to_new_policy_on_old_samples():
     _, metrics = policy_loss(new_p.log()[tokens], old_p.log()[tokens], torch.zeros(1, 4, dtype=torch.float64),
                              torch.ones(1, 4, dtype=torch.float64))
     kl_old_new = (old_p * (old_p / new_p).log()).sum().item()
-    assert metrics["approx_kl"].item() == pytest.approx(kl_old_new, rel=1e-9)
+    assert metrics["ppo_kl"].item() == pytest.approx(kl_old_new, rel=1e-9)
 
 
 def synthetic_rollout(lengths, prompt_len=2):

@@ -15,7 +15,7 @@ def fake_run(out_dir: Path, variant: str, steps: int, lengths: list[float], acc:
     run = out_dir / f"ablation__{variant}__seed{seed}"
     run.mkdir(parents=True)
     (run / "config.json").write_text(json.dumps(dataclasses.asdict(config.parse_config(flags))))
-    rows = [{"step": i, "response_length/mean": n, "response_length/truncated_frac": 0.1, "reward/accuracy": 0.2,
+    rows = [{"step": i, "response_length/mean": n, "reward/accuracy": 0.2,
              "advantage/pos_bin0": 0.3, "advantage/pos_bin1": 0.2, "advantage/pos_bin2": 0.1,
              "advantage/pos_bin3": 0.0} for i, n in enumerate(lengths)]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -66,8 +67,9 @@ def test_micro_pipeline_runs_every_stage_and_logs_every_step(out_dir, micro_run)
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1]
     for key in ("response_length/mean", "reward/accuracy", "actor/pg_loss", "critic/vf_loss",
-                "critic/vf_explained_var", "actor/pg_clipfrac_low", "actor/approx_kl", "actor/entropy",
-                "actor/grad_norm", "advantage/pos_bin0", "time/rollout", "perf/tokens_per_s"):
+                "critic/vf_explained_var", "actor/pg_clipfrac_low", "actor/ppo_kl", "actor/entropy",
+                "actor/grad_norm", "advantage/pos_bin0", "timing_s/rollout", "perf/throughput", "actor/lr",
+                "critic/returns/mean", "prompt_length/mean", "response_length/clip_ratio"):
         assert key in rows[0], key
     assert (out_dir / "_shared" / "sft" / "config.json").exists()
     assert (out_dir / "_shared" / "orm" / "config.json").exists()
@@ -120,6 +122,97 @@ def test_the_actor_alone_is_read_from_a_checkpoint_as_the_whole_restore_reads_it
     shutil.copytree(run_dir, stopped, ignore=shutil.ignore_patterns("summary.json"))
     with pytest.raises(ValueError, match="not finished .*stopped"):
         strategies.main(strategies.Args(runs=(stopped,), problems=3, out=tmp_path / "refused"))
+
+
+# A chat template for the built-in tokenizer, which has none (its alphabet keeps the digits and the newlines).
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}=\n{% endif %}"
+FORMATS = ROOT / "tests" / "data" / "formats"
+
+
+@pytest.fixture(scope="module")
+def users_run(out_dir, sft, tmp_path_factory):
+    """Issue 30's run: a verl parquet file (chat-message prompts through the chat template, the
+    nested ground truth) trains, a GSM8K JSONL file ('#### <number>' answers) is the held-out set,
+    evaluated at every step at its own temperature and length; (summary, run directory, model)."""
+    from transformers import AutoTokenizer
+
+    model = tmp_path_factory.mktemp("users") / "chat-model"  # pi_SFT as a user's model: with a chat template
+    shutil.copytree(sft, model)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(model)
+    cfg = micro_config(out_dir, "--run-name", "users-data", "--model", str(model), "--steps", "2",
+                       "--value-pretrain-steps", "0", "--data", str(FORMATS / "verl.parquet"),
+                       "--answer-key", "reward_model.ground_truth", "--val-data", str(FORMATS / "gsm8k.jsonl"),
+                       "--val-prompt-key", "question", "--val-answer-key", "answer", "--eval-every", "1",
+                       "--eval-temperature", "0.7", "--eval-max-new-tokens", "12", "--save-hf-every", "1",
+                       "--prompt-template", USERS_TEMPLATE)
+    return train.main(cfg), out_dir / "users-data", model
+
+
+USERS_TEMPLATE = "{prompt} Please reason step by step, and put your final answer within \\boxed{}."
+
+
+def test_a_users_verl_and_gsm8k_files_train_and_the_exported_actor_gives_the_trainers_logits(users_run):
+    """Issue 30 is done when this passes: the held-out scores go into metrics.jsonl and TensorBoard
+    at every step, and the actor leaves in Hugging Face format: `from_pretrained` gives the
+    trainer's logits."""
+    import torch
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from data import encode_prompt
+
+    summary, run_dir, model = users_run
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [0, 1] and all(r["actor/lr"] == 5e-5 for r in rows)
+    val = [{k.removeprefix("val/gsm8k/"): v for k, v in r.items() if k.startswith("val/")} for r in rows]
+    assert all(v.keys() == {"pass@1", "pass@2", "mean_length", "truncated"} for v in val)
+    assert all(1 <= v["mean_length"] <= 12 for v in val) and max(r["response_length/max"] for r in rows) > 12
+    assert summary["ppo"]["by_source"]["gsm8k"] == pytest.approx(val[1])  # the end's scores, logged at the last step
+    events = EventAccumulator(str(run_dir))
+    events.Reload()
+    assert [e.step for e in events.Scalars("val/gsm8k/pass@1")] == [0, 1]
+    assert json.loads((run_dir / "config.json").read_text())["prompt_template"] == USERS_TEMPLATE
+    assert (run_dir / "actor_hf_steps" / "step_1" / "model.safetensors").exists()  # --save-hf-every 1; step 2: actor_hf
+
+    exported = AutoModelForCausalLM.from_pretrained(run_dir / "actor_hf")
+    tokenizer = AutoTokenizer.from_pretrained(run_dir / "actor_hf")
+    assert tokenizer.chat_template == CHAT_TEMPLATE
+    trainer = AutoModelForCausalLM.from_pretrained(model)
+    checkpoints.load_model_weights(checkpoints.latest_checkpoint(str(run_dir / "checkpoint")), "actor", trainer)
+    ids = torch.tensor([encode_prompt(tokenizer, "12*2^c=?")])
+    with torch.no_grad():
+        logits = exported(ids).logits
+        assert torch.equal(logits, trainer(ids).logits)
+        assert not torch.allclose(logits, AutoModelForCausalLM.from_pretrained(model)(ids).logits)  # PPO moved it
+
+
+def test_a_bf16_run_exports_its_actor_in_bf16(sft, tmp_path):
+    """--mixed-precision (the GPU presets) computes in bf16: the export is bf16, half the size,
+    each tensor the trainer's fp32 one rounded; a CPU run's stays fp32 (the logits test above)."""
+    import types
+
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    actor = AutoModelForCausalLM.from_pretrained(sft)
+    train.export_actor(types.SimpleNamespace(mixed_precision=True), actor, AutoTokenizer.from_pretrained(sft),
+                       str(tmp_path / "actor_hf"))
+    saved, trained = load_file(tmp_path / "actor_hf" / "model.safetensors"), actor.state_dict()
+    assert saved and all(t.dtype == torch.bfloat16 and t.equal(trained[name].to(torch.bfloat16))
+                         for name, t in saved.items())
+    assert json.loads((tmp_path / "actor_hf" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+@pytest.mark.slow
+def test_vllm_generates_from_the_exported_actor_as_hugging_face_does(users_run, tmp_path):
+    pytest.importorskip("vllm")
+    from dist_workers.common import run_torchrun
+
+    result, = run_torchrun("vllm_exported_worker.py", str(tmp_path), str(users_run[1] / "actor_hf"), nproc=0)
+    assert result["same_tokens"] and result["generated"] > 3 and result["logprob_max_diff"] <= 1e-4
 
 
 class EasyProblemGrader:
@@ -221,6 +314,8 @@ def test_value_pretraining_killed_mid_way_resumes_to_the_same_curve(out_dir, tmp
     ("--samples-per-prompt", "0"), ("--run-name", "a/b"), ("--clip-low", "1.0"), ("--critic-lr", "inf"),
     ("--task-eval-size", "0"), ("--plateau-window", "0"), ("--grader-workers", "0"), ("--orm-steps", "0"),
     ("--run-name", "_shared"), ("--run-name", ".."), ("--tensor-parallel-size", "2"), ("--data", "absent.jsonl"),
+    ("--eval-every", "0"), ("--save-hf-every", "0"), ("--eval-temperature", "0"), ("--eval-max-new-tokens", "0"),
+    ("--prompt-template", "{prompt}"), ("--val-data", "x.jsonl"), ("--val-answer-key", "answer"),  # need --data
 ])
 def test_bad_config_values_fail_at_start_naming_the_field(flag, value):
     with pytest.raises(config.ConfigError, match=flag):
@@ -338,6 +433,38 @@ def test_a_stage_two_runs_build_at_once_keeps_the_first_and_a_broken_link_is_nam
         rundir.build_shared(cfg, str(tmp_path / "r" / "value_pretrain"), settings, lambda staging: None)
 
 
+@pytest.mark.parametrize("preset, world_size, params", [("qwen2.5-1.5b", 1, "1.54B"), ("qwen2.5-7b", 8, "7.62B"),
+                                                        ("qwen2.5-32b", 16, "32.76B")])
+def test_each_gpu_preset_fits_its_target_hardware_by_plan(preset, world_size, params, tmp_path, capsys):
+    """--plan sizes a preset's own target (memory_plan.TARGETS) and its model's shape, read from a
+    config.json alone (no weights): here one written locally in Qwen2.5's shape."""
+    import memory_plan
+    from transformers import Qwen2Config
+
+    shape = memory_plan.TARGETS[preset].model
+    Qwen2Config(hidden_size=shape.hidden, num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+                num_key_value_heads=shape.kv_heads, intermediate_size=shape.intermediate, vocab_size=shape.vocab,
+                tie_word_embeddings=shape.tied).save_pretrained(tmp_path)
+    for flags in ([], ["--model", str(tmp_path)]):
+        train.print_plan(config.parse_config(["--preset", preset, "--plan", *flags]))
+        out = capsys.readouterr().out
+        assert f"world size {world_size}," in out and f"actor {params} parameters" in out
+        assert re.search(r"^peak [\d.]+ GiB of [\d.]+ GiB usable: fits$", out, re.M), out
+    assert "74.6 GiB usable" in out if preset != "qwen2.5-32b" else "135.4 GiB usable" in out  # 80 GB GPUs or H200
+
+
+def test_a_model_without_a_preset_on_a_gpu_is_refused_naming_the_presets(monkeypatch):
+    import torch
+
+    assert config.parse_config(["--model", "m"]).actor_lr == 5e-5  # a CPU: the tiny settings
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(config.ConfigError, match="--model on a GPU needs a --preset: qwen2.5-1.5b .*qwen2.5-7b .*"
+                                                 "qwen2.5-32b"):
+        config.parse_config(["--model", "m"])
+    assert config.parse_config(["--model", "m", "--preset", "qwen2.5-1.5b"]).actor_lr == 1e-6
+    assert config.parse_config(["--model", "m", "--plan"]).plan  # --plan launches nothing
+
+
 def test_grpo_needs_two_samples_per_prompt():
     with pytest.raises(config.ConfigError, match="--samples-per-prompt"):
         config.parse_config(["--estimator", "grpo", "--samples-per-prompt", "1"])
@@ -430,7 +557,7 @@ def test_run_killed_mid_way_resumes_to_the_same_final_metrics(out_dir, sft):
     assert [r["step"] for r in b] == list(range(5))
     for ra, rb in zip(a, b):
         for key, value in ra.items():
-            if not key.startswith(("time/", "perf/")):
+            if not key.startswith(("timing_s/", "perf/")):
                 if value is None:  # undefined (NaN), written as null
                     assert rb[key] is None, (ra["step"], key)
                 else:
@@ -523,7 +650,7 @@ def test_two_torchrun_agents_as_two_nodes_give_the_metrics_of_one_node(one_node_
     for a, b in zip(one, two):
         assert a.keys() == b.keys()
         for key, value in a.items():
-            if not key.startswith(("time/", "perf/")):
+            if not key.startswith(("timing_s/", "perf/")):
                 expected = value if value is None else pytest.approx(value, rel=1e-6, abs=1e-7)  # None: NaN
                 assert b[key] == expected, (a["step"], key)
     one, two = (json.loads((one_node_and_two_nodes[k] / "summary.json").read_text())["ppo"]
@@ -580,6 +707,23 @@ def test_a_tuple_setting_matches_the_list_it_was_stored_as(tmp_path):
     config.check_settings("here", stored, {"task_difficulty": (46, 52)})  # no refusal
     with pytest.raises(config.ConfigError, match=r"--task-difficulty \[46, 52\] -> \[28, 40\]"):
         config.check_settings("here", stored, {"task_difficulty": (28, 40)})
+
+
+def test_metrics_go_to_wandb_offline_when_asked(tmp_path, monkeypatch):
+    """--wandb-project: the same rows to Weights & Biases (offline here: no network), NaN left out."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    log = rundir.MetricsLog(str(tmp_path), keep_up_to_step=-1, wandb_project="vc-ppo-test", config={"seed": 3})
+    sent, send = [], log.wandb.log
+    monkeypatch.setattr(log.wandb, "log", lambda row, step: sent.append((step, row)) or send(row, step=step))
+    for step in range(3):
+        log.write(step, {"reward/mean": step / 10, "critic/vf_explained_var": float("nan")})
+    assert sent == [(step, {"reward/mean": step / 10}) for step in range(3)]
+    assert dict(log.wandb.summary)["reward/mean"] == 0.1  # wandb takes in a step when the next one comes
+    assert log.wandb.config["seed"] == 3 and log.wandb.name == tmp_path.name
+    log.close()
+    assert [p.stat().st_size > 0 for p in tmp_path.glob("wandb/offline-run-*/run-*.wandb")] == [True]  # to sync
 
 
 def test_metrics_files_write_an_undefined_value_as_null_not_bare_nan(tmp_path):
