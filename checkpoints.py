@@ -222,7 +222,7 @@ def _os_reason(err: BaseException) -> str | None:
         seen.add(id(e))
         if isinstance(e, OSError) and e.errno:
             return os.strerror(e.errno)
-        todo += [e.__cause__, e.__context__, *getattr(e, "failures", {}).values()]
+        todo += [e.__cause__, e.__context__, *(failure[0] for failure in getattr(e, "failures", {}).values())]
     return None
 
 
@@ -231,6 +231,7 @@ def remove_checkpoint(path: str) -> None:
     if is_main():
         for leftover in (path, path + ".tmp", path + ".old"):
             shutil.rmtree(leftover, ignore_errors=True)
+            shutil.rmtree(leftover + ".damaged", ignore_errors=True)
 
 
 def saved_checkpoints(path: str) -> list[str]:
@@ -265,16 +266,17 @@ def latest_checkpoint(path: str) -> str | None:
 
 
 def restore_latest(path: str, models: dict, optimizers: dict) -> tuple[str, dict] | None:
-    """`load_checkpoint` of the newest checkpoint that `save_checkpoint(path, ...)` left that loads,
-    saying which damaged newer one it passes over: (where, its extras), or None if none was ever saved."""
+    """`load_checkpoint` of the newest checkpoint that `save_checkpoint(path, ...)` left that loads:
+    (where, its extras), or None if none was ever saved. Each damaged newer one is said and set
+    aside as <name>.damaged, so that the next save keeps the one restored as `path.old`."""
     def load(candidate):
         check_checkpoint(candidate)
         return load_checkpoint(candidate, models, optimizers)  # a failed load is undone by the next one's
 
-    return _newest(path, load, say=True)
+    return _newest(path, load, set_aside=True)
 
 
-def _newest(path: str, read, say: bool = False) -> tuple[str, object] | None:
+def _newest(path: str, read, set_aside: bool = False) -> tuple[str, object] | None:
     """(the newest of `saved_checkpoints(path)` that `read` takes without CheckpointError, what it
     returned); None if there is none; CheckpointError naming each one's damage if none reads."""
     damaged = []
@@ -282,13 +284,17 @@ def _newest(path: str, read, say: bool = False) -> tuple[str, object] | None:
         try:
             result = read(candidate)
         except CheckpointError as err:
-            damaged.append(str(err))
+            damaged.append((candidate, str(err)))
             continue
-        for reason in damaged if say else ():
-            tqdm.write(f"{reason}: resuming from the checkpoint before it, {candidate}")
+        for bad, reason in damaged if set_aside else ():
+            if is_main():
+                shutil.rmtree(bad + ".damaged", ignore_errors=True)
+                os.replace(bad, bad + ".damaged")
+                tqdm.write(f"{reason}: moved it to {bad}.damaged; resuming from the checkpoint before it, {candidate}")
+        barrier()
         return candidate, result
     if damaged:
-        raise CheckpointError(f"{'; '.join(damaged)}; no earlier checkpoint to fall back to (delete {path} to "
+        raise CheckpointError(f"{'; '.join(reason for _, reason in damaged)}; no earlier checkpoint to fall back to (delete {path} to "
                               f"start again from step 0)")
     return None
 

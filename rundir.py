@@ -48,7 +48,7 @@ MAY_CHANGE = ("resume", "out_dir", "threads", "steps", "save_every", "grader_wor
               "checkpoint_fraction", "micro_batch_tokens", "logprob_chunk_tokens", "compile_layers")
 # What a rerun takes from the run directory instead of computing it again: never without the
 # config.json that says which settings made it.
-REUSED = ("eval_sft.json", "value_pretrain", "checkpoint", "checkpoint.tmp", "checkpoint.old")
+REUSED = ("eval_sft.json", "value_pretrain", "checkpoint", "checkpoint.tmp", "checkpoint.old", "checkpoint.damaged")
 
 
 @contextlib.contextmanager
@@ -300,8 +300,8 @@ def logged_rows(path: str) -> tuple[list[tuple[int, str]], str | None]:
             if not isinstance(step, int):
                 raise TypeError(f"step {step!r}")
         except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as err:
-            if number == len(lines) and not line.endswith(b"\n"):
-                return rows, line.decode(errors="replace")
+            if number == len(lines) and not line.endswith(b"\n") and line.isascii() and line.startswith(b"{"):
+                return rows, line.decode()  # how a row cut short looks: JSON rows are written in ASCII
             raise ConfigError(f"{path}:{number}: not a metrics row ({type(err).__name__}: {str(err)[:100]}); "
                               f"repair or delete that line to resume, or run without --resume to start "
                               f"again from step 0") from None

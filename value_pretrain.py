@@ -22,6 +22,7 @@ import torch
 from tqdm import tqdm
 
 import preemption
+from config import ConfigError
 from critic import critic_loss, response_values
 from data import sample_prompts, stream_seed
 from fsdp_utils import is_main, reduce_metrics, world_size
@@ -141,5 +142,9 @@ def prepare_value_critic(cfg, run_dir: str, init_path: str, sampler: Sampler, re
     curve = os.path.join(path, "curve.jsonl")
     if not os.path.exists(curve):
         return critic, None
-    with open(curve) as f:
-        return critic, json.loads(f.readlines()[-1])
+    try:
+        with open(curve, "rb") as f:
+            return critic, json.loads(f.read().splitlines()[-1])
+    except (IndexError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"{curve} is damaged ({type(err).__name__}: {str(err)[:100]}); delete "
+                          f"{os.path.realpath(path)} and {path} to pretrain it again") from None
