@@ -201,14 +201,19 @@ def build_shared(cfg, link: str, settings: dict, build) -> bool:
     if fsdp_utils.any_rank(os.path.lexists(link)):  # linked by an earlier start of this run
         check_stage(link, settings)
         return False
-    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
-    shared = os.path.join(cfg.out_dir, "_shared", os.path.basename(link), key)
+    shared = shared_path(cfg, os.path.basename(link), settings)
     os.makedirs(os.path.dirname(shared), exist_ok=True)
     built = build_once(shared, settings, build, staging=f"{shared}.partial-{cfg.run_name}")
     if fsdp_utils.is_main():
         os.symlink(os.path.relpath(shared, os.path.dirname(link)), link)
     fsdp_utils.barrier()
     return built
+
+
+def shared_path(cfg, name: str, settings: dict) -> str:
+    """Where `build_shared` keeps the stage `name` built with `settings`."""
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    return os.path.join(cfg.out_dir, "_shared", name, key)
 
 
 def check_stage(path: str, settings: dict, remedy: str = "delete it to build it again") -> None:

@@ -17,7 +17,9 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 
 import checkpoints
 import preemption
+import rundir
 import train
+import value_pretrain
 from config import ConfigError
 from test_train import MICRO, ROOT, TORCHRUN, micro_config, read_metrics
 
@@ -32,8 +34,8 @@ def out_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def base(out_dir):
-    """A finished 3-step run: checkpoint/ at step 2, checkpoint.old/ at step 1, metrics of steps 0-2."""
-    train.main(micro_config(out_dir, "--run-name", "base", "--steps", "3", *FLAGS))
+    """A finished 4-step run: checkpoint/ at step 3, checkpoint.old/ at step 2, metrics of steps 0-3."""
+    train.main(micro_config(out_dir, "--run-name", "base", "--steps", "4", *FLAGS))
     return out_dir / "base"
 
 
@@ -61,10 +63,10 @@ def test_a_moved_run_directory_resumes_with_the_settings_the_readme_lets_change(
     """Items 5 and 6: --save-every, --micro-batch-size (and --threads) were refused by value
     pretraining's settings check, and another --out-dir by the run directory's."""
     moved = moved_copy(base, tmp_path)
-    resume(moved, "--steps", "4", "--save-every", "2", "--micro-batch-size", "2")
+    resume(moved, "--steps", "5", "--save-every", "2", "--micro-batch-size", "2")
     rows = read_metrics(moved / "base")
-    assert [r["step"] for r in rows] == [0, 1, 2, 3]
-    assert_same_metrics(read_metrics(base), rows[:3])
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    assert_same_metrics(read_metrics(base), rows[:4])
 
 
 def damage(checkpoint, what):
@@ -84,17 +86,17 @@ def test_a_damaged_checkpoint_falls_back_to_the_one_before_and_with_none_left_is
     moved = moved_copy(base, tmp_path)
     run_dir = moved / "base"
     damage(run_dir / "checkpoint", what)
-    resume(moved, "--steps", "3")
+    resume(moved, "--steps", "4")
     out = capsys.readouterr().out
     assert (f"moved it to {run_dir}/checkpoint.damaged; resuming from the checkpoint before it, {run_dir}/checkpoint.old"
             in out)
-    assert_same_metrics(read_metrics(base), read_metrics(run_dir))  # step 2 again, as it was
+    assert_same_metrics(read_metrics(base), read_metrics(run_dir))  # step 3 again, as it was
 
     damage(run_dir / "checkpoint", what)  # the new one, and the one before it
     damage(run_dir / "checkpoint.old", what)
     metrics = (run_dir / "metrics.jsonl").read_bytes()
     with pytest.raises(checkpoints.CheckpointError, match="no earlier checkpoint to fall back to"):
-        resume(moved, "--steps", "3")
+        resume(moved, "--steps", "4")
     assert (run_dir / "metrics.jsonl").read_bytes() == metrics
 
 
@@ -104,18 +106,18 @@ def test_damaged_metrics_are_refused_by_line_and_only_a_torn_last_line_is_droppe
     metrics = moved / "base" / "metrics.jsonl"
     rows = metrics.read_bytes().splitlines(keepends=True)
     for bad in (b'{"step": 1, "reward\n', b"\x00\xff\xfe binary\n"):
-        metrics.write_bytes(rows[0] + bad + rows[2])
+        metrics.write_bytes(rows[0] + bad + b"".join(rows[2:]))
         with pytest.raises(ConfigError, match=r"metrics.jsonl:2: not a metrics row .*repair or delete that line"):
-            resume(moved, "--steps", "4")
-        assert metrics.read_bytes() == rows[0] + bad + rows[2]  # refused before anything was written
+            resume(moved, "--steps", "5")
+        assert metrics.read_bytes() == rows[0] + bad + b"".join(rows[2:])  # refused before anything was written
     metrics.write_bytes(b"\x00\xff\xfe")  # a binary file is no row cut short either
     with pytest.raises(ConfigError, match=r"metrics.jsonl:1: not a metrics row"):
-        resume(moved, "--steps", "4")
+        resume(moved, "--steps", "5")
 
-    metrics.write_bytes(b"".join(rows) + b'{"step": 3, "resp')  # killed while writing step 3
-    resume(moved, "--steps", "4")
+    metrics.write_bytes(b"".join(rows) + b'{"step": 4, "resp')  # killed while writing step 4
+    resume(moved, "--steps", "5")
     assert "metrics.jsonl: dropped its last line, cut short when the run stopped" in capsys.readouterr().out
-    assert [r["step"] for r in read_metrics(moved / "base")] == [0, 1, 2, 3]
+    assert [r["step"] for r in read_metrics(moved / "base")] == [0, 1, 2, 3, 4]
 
 
 def test_damaged_files_the_run_reads_back_are_named_in_one_line(base, tmp_path):
@@ -126,7 +128,7 @@ def test_damaged_files_the_run_reads_back_are_named_in_one_line(base, tmp_path):
         saved = (run_dir / name).read_bytes()
         (run_dir / name).write_bytes(b"\x89PNG garbage")
         with pytest.raises(ConfigError, match=rf"{name} is damaged \(UnicodeDecodeError: "):
-            resume(moved, "--steps", "3")
+            resume(moved, "--steps", "4")
         (run_dir / name).write_bytes(saved)
 
 
@@ -143,9 +145,9 @@ def test_a_full_disk_during_a_save_names_the_cause_and_keeps_the_last_checkpoint
     monkeypatch.setattr(FileSystem, "create_stream", lambda self, path, mode: FullDisk(path, mode))
     with pytest.raises(checkpoints.CheckpointError, match=rf"cannot save a checkpoint to {run_dir}/checkpoint: No "
                                                            rf"space left on device \(\d+ MiB free there\)"):
-        resume(moved, "--steps", "4")
+        resume(moved, "--steps", "5")
     assert sorted(p.name for p in run_dir.glob("checkpoint*")) == ["checkpoint", "checkpoint.old"]
-    assert checkpoints.checkpoint_extra(str(run_dir / "checkpoint"))["step"] == 2
+    assert checkpoints.checkpoint_extra(str(run_dir / "checkpoint"))["step"] == 3
 
 
 def test_a_read_only_out_dir_is_refused_before_any_model_loads(tmp_path, monkeypatch):
@@ -170,7 +172,7 @@ def test_sigint_finishes_the_step_saves_and_stops(base, tmp_path, monkeypatch, c
     real_step = train.ppo_step
 
     def interrupted(cfg, step, *args):
-        if step == 3:
+        if step == 4:
             os.kill(os.getpid(), signal.SIGINT)
             os.kill(os.getpid(), signal.SIGINT)
         return real_step(cfg, step, *args)
@@ -180,10 +182,10 @@ def test_sigint_finishes_the_step_saves_and_stops(base, tmp_path, monkeypatch, c
         resume(moved, "--steps", "6", "--save-every", "100")
     assert stopped.value.exit_code == 130
     run_dir = moved / "base"
-    assert (f"preempted at step 3: saved {run_dir}/checkpoint; resume with the same command and --resume"
+    assert (f"preempted at step 4: saved {run_dir}/checkpoint; resume with the same command and --resume"
             in capsys.readouterr().out)
-    assert checkpoints.checkpoint_extra(str(run_dir / "checkpoint"))["step"] == 3
-    assert [r["step"] for r in read_metrics(run_dir)] == [0, 1, 2, 3]
+    assert checkpoints.checkpoint_extra(str(run_dir / "checkpoint"))["step"] == 4
+    assert [r["step"] for r in read_metrics(run_dir)] == [0, 1, 2, 3, 4]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers given back
 
 
@@ -207,8 +209,7 @@ def wait_for_rows(proc, metrics, rows, log, timeout=240):
 def test_sigterm_saves_and_resumes_bit_identically_and_a_second_run_meanwhile_is_locked_out(out_dir, base, tmp_path):
     """Item 4: SIGTERM (to the whole job, grader workers too) killed the run unsaved (exit 143).
     Item 3: a second run on the same directory ran beside it."""
-    flags = ["--steps", "6", "--save-every", "100", "--value-pretrain-steps", "1"]
-    train.main(micro_config(out_dir, "--run-name", "uninterrupted", *flags))
+    flags = ["--steps", "4", "--save-every", "100", "--value-pretrain-steps", "1"]  # base's run, saving only when stopped
     log = tmp_path / "log"
     proc = launch([sys.executable, str(ROOT / "train.py"), "--out-dir", str(out_dir), *MICRO, "--run-name", "term",
                    *flags], log)
@@ -223,27 +224,29 @@ def test_sigterm_saves_and_resumes_bit_identically_and_a_second_run_meanwhile_is
     out = log.read_text()
     assert "Traceback" not in out and f"saved {run_dir}/checkpoint; resume with the same command and --resume" in out
     step = checkpoints.checkpoint_extra(str(run_dir / "checkpoint"))["step"]
-    assert f"preempted at step {step}:" in out and step < 5
+    assert f"preempted at step {step}:" in out and step < 3
 
     train.main(micro_config(out_dir, "--run-name", "term", *flags, "--resume"))  # its .lock file left: no matter
-    assert_same_metrics(read_metrics(out_dir / "uninterrupted"), read_metrics(run_dir))
+    assert_same_metrics(read_metrics(base), read_metrics(run_dir))
 
 
 @pytest.mark.slow
 def test_torchrun_run_reusing_a_shared_critic_trains_and_sigterm_saves_every_rank(out_dir, base, tmp_path):
     """Item 1: the second run of a lambda sweep under torchrun hung (rank 1 found the link rank 0
     had just made, skipped the barrier rank 0 waited in). Item 4 on 2 ranks: torchrun forwards
-    SIGTERM to each rank, and every rank saves its shard of the same step."""
-    launcher = [*TORCHRUN, "--nproc_per_node", "2", str(ROOT / "train.py"), "--out-dir", str(out_dir), *MICRO,
-                "--value-pretrain-steps", "1", "--save-every", "100"]
-    first = subprocess.run([*launcher, "--run-name", "tr-a", "--steps", "0"], cwd=ROOT, capture_output=True,
-                           text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
-    assert first.returncode == 0, first.stderr[-3000:]
+    SIGTERM to each rank, and every rank saves its shard of the same step. The critic the first
+    run of the sweep would have pretrained at world size 2 is base's, put where it would be."""
+    flags = ["--run-name", "tr-b", "--lam-actor", "0.99", "--value-pretrain-steps", "1"]
+    settings = value_pretrain.pretrain_settings(micro_config(out_dir, *flags)) | {"world_size": 2}
+    shared = rundir.shared_path(micro_config(out_dir, *flags), "value_pretrain", settings)
+    shutil.copytree(base / "value_pretrain", shared)
+    rundir.write_json(os.path.join(shared, "settings.json"), settings)
     log = tmp_path / "log"
-    second = launch([*launcher, "--run-name", "tr-b", "--lam-actor", "0.99", "--steps", "20"], log)
+    second = launch([*TORCHRUN, "--nproc_per_node", "2", str(ROOT / "train.py"), "--out-dir", str(out_dir), *MICRO,
+                     *flags, "--steps", "20", "--save-every", "100"], log)
     run_dir = out_dir / "tr-b"
     wait_for_rows(second, run_dir / "metrics.jsonl", 1, log, timeout=180)
-    assert os.readlink(run_dir / "value_pretrain") == os.readlink(out_dir / "tr-a" / "value_pretrain")
+    assert os.path.realpath(run_dir / "value_pretrain") == shared  # reused, not pretrained again
     second.send_signal(signal.SIGTERM)  # to torchrun, which forwards it to each rank
     assert second.wait(timeout=120) != 0
     out = log.read_text()
