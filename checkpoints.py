@@ -294,7 +294,7 @@ def _newest(path: str, read, set_aside: bool = False) -> tuple[str, object] | No
         barrier()
         return candidate, result
     if damaged:
-        raise CheckpointError(f"{'; '.join(reason for _, reason in damaged)}; no earlier checkpoint to fall back to (delete {path} to "
+        raise CheckpointError(f"{'; '.join(reason for _, reason in damaged)}; no earlier checkpoint to fall back to (run without --resume to "
                               f"start again from step 0)")
     return None
 
