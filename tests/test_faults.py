@@ -193,14 +193,16 @@ def launch(cmd, log):
     """`cmd` in its own process group (as a job is), its output in `log`."""
     with open(log, "w") as f:
         return subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
+                                env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+                                     "CUDA_VISIBLE_DEVICES": ""})
 
 
 def wait_for_rows(proc, metrics, rows, log, timeout=240):
     deadline = time.time() + timeout
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= rows):
         if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
+            proc.terminate()  # torchrun ends its ranks (with SIGKILL after 30 s) if it goes first
+            proc.wait(timeout=60)
             pytest.fail(f"no step {rows - 1} logged (exit {proc.poll()}):\n{log.read_text()[-3000:]}")
         time.sleep(0.2)
 
@@ -233,16 +235,18 @@ def test_sigterm_saves_and_resumes_bit_identically_and_a_second_run_meanwhile_is
 @pytest.mark.slow
 def test_torchrun_run_reusing_a_shared_critic_trains_and_sigterm_saves_every_rank(out_dir, base, tmp_path):
     """Item 1: the second run of a lambda sweep under torchrun hung (rank 1 found the link rank 0
-    had just made, skipped the barrier rank 0 waited in). Item 4 on 2 ranks: torchrun forwards
-    SIGTERM to each rank, and every rank saves its shard of the same step. The critic the first
-    run of the sweep would have pretrained at world size 2 is base's, put where it would be."""
+    had just made, skipped the barrier rank 0 waited in); here rank 1 comes late for certain
+    (dist_workers/late_rank_train.py). Item 4 on 2 ranks: torchrun forwards SIGTERM to each rank,
+    and every rank saves its shard of the same step. The critic the first run of the sweep would
+    have pretrained at world size 2 is base's, put where that run would have left it."""
     flags = ["--run-name", "tr-b", "--lam-actor", "0.99", "--value-pretrain-steps", "1"]
     settings = value_pretrain.pretrain_settings(micro_config(out_dir, *flags)) | {"world_size": 2}
     shared = rundir.shared_path(micro_config(out_dir, *flags), "value_pretrain", settings)
     shutil.copytree(base / "value_pretrain", shared)
     rundir.write_json(os.path.join(shared, "settings.json"), settings)
     log = tmp_path / "log"
-    second = launch([*TORCHRUN, "--nproc_per_node", "2", str(ROOT / "train.py"), "--out-dir", str(out_dir), *MICRO,
+    second = launch([*TORCHRUN, "--nproc_per_node", "2", str(ROOT / "tests" / "dist_workers" / "late_rank_train.py"),
+                     "--out-dir", str(out_dir), *MICRO,
                      *flags, "--steps", "20", "--save-every", "100"], log)
     run_dir = out_dir / "tr-b"
     wait_for_rows(second, run_dir / "metrics.jsonl", 1, log, timeout=180)
