@@ -8,7 +8,8 @@ and verl load the same way); one process loads with `from_pretrained`, as anyone
 
 Training checkpoints (`save_checkpoint`, `load_checkpoint`) are torch.distributed.checkpoint (DCP)
 directories, written by the same code in one process and under torchrun, and renamed into place so
-that a killed save keeps the previous one.
+that a killed save keeps the previous one; the one before the newest is kept too, and a damaged
+newest one is passed over (`restore_latest`).
 
 Full (unsharded) weights leave the trainer in two ways, both streamed one bounded bucket at a
 time so no rank ever holds the whole model (TRL #7131): into the vLLM engine after each update
@@ -205,7 +206,7 @@ def save_checkpoint(path: str, models: dict, optimizers: dict, extra: dict) -> N
         raise CheckpointError(f"cannot save a checkpoint to {path}: {reason} ({free / 2**20:.0f} MiB free there)")
     if is_main():
         if os.path.exists(path):
-            shutil.rmtree(path + ".old", ignore_errors=True)
+            shutil.rmtree(path + ".old", ignore_errors=True)  # half deleted by a kill: path is newer
             os.replace(path, path + ".old")
         os.replace(tmp, path)
     barrier()
@@ -294,8 +295,8 @@ def _newest(path: str, read, set_aside: bool = False) -> tuple[str, object] | No
         barrier()
         return candidate, result
     if damaged:
-        raise CheckpointError(f"{'; '.join(reason for _, reason in damaged)}; no earlier checkpoint to fall back to (run without --resume to "
-                              f"start again from step 0)")
+        raise CheckpointError(f"{'; '.join(reason for _, reason in damaged)}; no earlier checkpoint to fall back "
+                              f"to (run without --resume to start again from step 0)")
     return None
 
 

@@ -41,8 +41,8 @@ def base(out_dir):
 
 def moved_copy(base, tmp_path):
     """`base` and the _shared stages it uses, copied to another out-dir (the run directory moved)."""
-    shutil.copytree(base.parent, tmp_path / "moved", symlinks=True,
-                    ignore=lambda d, names: [n for n in names if d == str(base.parent) and n not in ("base", "_shared")])
+    others = lambda d, names: [n for n in names if d == str(base.parent) and n not in ("base", "_shared")]  # noqa: E731
+    shutil.copytree(base.parent, tmp_path / "moved", symlinks=True, ignore=others)
     return tmp_path / "moved"
 
 
@@ -56,7 +56,8 @@ def assert_same_metrics(a, b):
     for ra, rb in zip(a, b):
         for key, value in ra.items():
             if not key.startswith(("time/", "perf/")):
-                assert rb[key] == (value if value is None else pytest.approx(value, rel=1e-5, abs=1e-6)), (ra["step"], key)
+                expected = value if value is None else pytest.approx(value, rel=1e-5, abs=1e-6)
+                assert rb[key] == expected, (ra["step"], key)
 
 
 def test_a_moved_run_directory_resumes_with_the_settings_the_readme_lets_change(base, tmp_path):
@@ -88,8 +89,8 @@ def test_a_damaged_checkpoint_falls_back_to_the_one_before_and_with_none_left_is
     damage(run_dir / "checkpoint", what)
     resume(moved, "--steps", "4")
     out = capsys.readouterr().out
-    assert (f"moved it to {run_dir}/checkpoint.damaged; resuming from the checkpoint before it, {run_dir}/checkpoint.old"
-            in out)
+    assert f"moved it to {run_dir}/checkpoint.damaged; resuming from the checkpoint before it, {run_dir}/checkpoint.old" \
+        in out
     assert_same_metrics(read_metrics(base), read_metrics(run_dir))  # step 3 again, as it was
 
     damage(run_dir / "checkpoint", what)  # the new one, and the one before it
@@ -211,7 +212,7 @@ def wait_for_rows(proc, metrics, rows, log, timeout=240):
 def test_sigterm_saves_and_resumes_bit_identically_and_a_second_run_meanwhile_is_locked_out(out_dir, base, tmp_path):
     """Item 4: SIGTERM (to the whole job, grader workers too) killed the run unsaved (exit 143).
     Item 3: a second run on the same directory ran beside it."""
-    flags = ["--steps", "4", "--save-every", "100", "--value-pretrain-steps", "1"]  # base's run, saving only when stopped
+    flags = ["--steps", "4", "--save-every", "100", "--value-pretrain-steps", "1"]  # base's, saving only when stopped
     log = tmp_path / "log"
     proc = launch([sys.executable, str(ROOT / "train.py"), "--out-dir", str(out_dir), *MICRO, "--run-name", "term",
                    *flags], log)
