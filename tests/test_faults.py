@@ -88,9 +88,8 @@ def test_a_damaged_checkpoint_falls_back_to_the_one_before_and_with_none_left_is
     run_dir = moved / "base"
     damage(run_dir / "checkpoint", what)
     resume(moved, "--steps", "4")
-    out = capsys.readouterr().out
-    assert f"moved it to {run_dir}/checkpoint.damaged; resuming from the checkpoint before it, {run_dir}/checkpoint.old" \
-        in out
+    said = f"moved it to {run_dir}/checkpoint.damaged; resuming from the checkpoint before it, {run_dir}/checkpoint.old"
+    assert said in capsys.readouterr().out
     assert_same_metrics(read_metrics(base), read_metrics(run_dir))  # step 3 again, as it was
 
     damage(run_dir / "checkpoint", what)  # the new one, and the one before it
