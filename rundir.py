@@ -2,7 +2,7 @@
 
 The run directory, <out_dir>/<run_name>/:
 
-    .lock           held by the run that uses the directory (`locked`): a second run on it stops.
+    .lock           while a run uses the directory, its process (`locked`): a second run on it stops.
     config.json     the settings. Rerunning or resuming with settings that change the experiment
                     stops (`prepare`): only the run's length and how it runs may change.
     eval_sft.json   pi_SFT's held-out scores, computed once (`evaluate.evaluate_once`).
@@ -58,34 +58,62 @@ def locked(cfg: Config):
     POSIX lock (fcntl.lockf) on <run_dir>/.lock, taken by rank 0: the kernel drops it when the
     process ends, however it ends, so the file a killed run leaves blocks nothing, and unlike
     flock's it is not inherited by the processes the run starts (grader workers, vLLM's). Taking
-    it is the first write to the out-dir: one that cannot be written stops here, before any model loads."""
+    it is the first write to the out-dir: one that cannot be written stops here, before any model
+    loads. The file, and the directories made for it, go at the end: a refused command leaves the
+    out-dir as it was."""
     run_dir, fd, refusal = os.path.join(cfg.out_dir, cfg.run_name), None, None
-    path = os.path.join(run_dir, ".lock")
+    path, made = os.path.join(run_dir, ".lock"), []
     if fsdp_utils.is_main():
+        for parent in _parents(run_dir):
+            if not os.path.isdir(parent):
+                made.append(parent)
         try:
             os.makedirs(run_dir, exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd, holder = _lock(path)
         except OSError as err:
             refusal = f"cannot write to {run_dir} ({err.strerror}); choose another --out-dir"
         else:
-            try:
-                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                os.ftruncate(fd, 0)
-                os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
-            except OSError:
-                holder = os.pread(fd, 200, 0).decode(errors="replace").split()
-                os.close(fd)
-                who = f"process {holder[0]} on {holder[1]}" if len(holder) == 2 else "another process"
-                refusal = (f"{run_dir} is in use by another run ({who}); wait for it to end, or stop it "
+            if fd is None:
+                refusal = (f"{run_dir} is in use by another run ({holder}); wait for it to end, or stop it "
                            f"(SIGTERM saves a checkpoint) and run again with --resume")
-    refusal = fsdp_utils.from_main(refusal)
-    if refusal:
-        raise ConfigError(refusal)
     try:
+        refusal = fsdp_utils.from_main(refusal)
+        if refusal:
+            raise ConfigError(refusal)
         yield run_dir
     finally:
         if fd is not None:
-            os.close(fd)  # releases the lock
+            os.unlink(path)  # before the lock goes: a run that opened this file then locks a new one (`_lock`)
+            os.close(fd)
+        for directory in reversed(made):  # the ones this run made, if it left nothing in them
+            with contextlib.suppress(OSError):
+                os.rmdir(directory)
+
+
+def _parents(path: str) -> list[str]:
+    """`path` and the directories above it, outermost first."""
+    path = os.path.abspath(path)
+    return [*_parents(os.path.dirname(path)), path] if os.path.dirname(path) != path else [path]
+
+
+def _lock(path: str) -> tuple[int | None, str]:
+    """(a descriptor holding the lock on the file at `path`, "") or, when another process holds
+    it, (None, which process that is). A lock taken on a file its holder has just removed (at its
+    end) is taken again on the new one."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").split()
+            os.close(fd)
+            return None, f"process {holder[0]} on {holder[1]}" if len(holder) == 2 else "another process"
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                os.ftruncate(fd, 0)  # the file a killed run left names it
+                os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
+                return fd, ""
+        os.close(fd)
 
 
 def check(cfg: Config) -> str:

@@ -5,6 +5,7 @@ under torchrun) where it needs one: a signal from outside, a lock held by anothe
 
 import errno
 import io
+import json
 import os
 import shutil
 import signal
@@ -187,6 +188,44 @@ def test_sigint_finishes_the_step_saves_and_stops(base, tmp_path, monkeypatch, c
     assert checkpoints.checkpoint_extra(str(run_dir / "checkpoint"))["step"] == 4
     assert [r["step"] for r in read_metrics(run_dir)] == [0, 1, 2, 3, 4]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers given back
+
+
+def test_other_signals_stop_value_pretraining_with_a_checkpoint_and_other_stages_at_once(out_dir, base, monkeypatch,
+                                                                                           capsys):
+    """Where the issue is silent: SLURM's warning signal (SIGUSR1) in value pretraining saves its
+    checkpoint as in PPO, and --resume goes on from it; SIGHUP while the data is read stops at once,
+    saying what there is to resume from."""
+    flags = ["--run-name", "vp-stopped", "--value-pretrain-steps", "2", "--steps", "0", "--seed", "1"]
+    real_step = value_pretrain.pretrain_step
+
+    def interrupted(cfg, step, *args):
+        if step == 0:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return real_step(cfg, step, *args)
+
+    monkeypatch.setattr(value_pretrain, "pretrain_step", interrupted)
+    with pytest.raises(preemption.Preempted) as stopped:
+        train.main(micro_config(out_dir, *flags))
+    assert stopped.value.exit_code == 128 + signal.SIGUSR1
+    staging = rundir.shared_path(micro_config(out_dir, *flags), "value_pretrain",
+                                 value_pretrain.pretrain_settings(micro_config(out_dir, *flags))) + ".partial-vp-stopped"
+    assert (f"preempted at value pretraining step 0: saved {staging}/checkpoint; resume with the same command and "
+            f"--resume") in capsys.readouterr().out
+    monkeypatch.undo()
+    train.main(micro_config(out_dir, *flags, "--resume"))
+    assert f"value pretraining: resumed from {staging}/checkpoint at step 1" in capsys.readouterr().out
+    curve = (out_dir / "vp-stopped" / "value_pretrain" / "curve.jsonl").read_text().splitlines()
+    assert [json.loads(row)["step"] for row in curve] == [0, 1]
+
+    def hung_up(*args):
+        os.kill(os.getpid(), signal.SIGHUP)
+
+    monkeypatch.setattr(train, "prepare_data", hung_up)
+    with pytest.raises(preemption.Preempted) as stopped:
+        train.main(micro_config(out_dir, "--run-name", "base", "--steps", "5", "--resume", *FLAGS))
+    assert stopped.value.exit_code == 128 + signal.SIGHUP
+    assert (f"SIGHUP: stopped. Last checkpoint: {base}/checkpoint. Finished stages are kept; resume with the same "
+            f"command and --resume") in capsys.readouterr().out
 
 
 def launch(cmd, log):
