@@ -262,10 +262,13 @@ def main(cfg: Config) -> dict:
     dist_info = fsdp_utils.init_distributed()
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
-    with rundir.locked(cfg) as run_dir, preemption.handled(lambda: f"{rundir.last_checkpoint(run_dir)} Finished "
-                                                                  f"stages are kept; resume with the same command "
-                                                                  f"and --resume"):
+    with rundir.locked(cfg) as run_dir, preemption.handled(lambda: left_behind(run_dir)):
         return run(cfg, dist_info)
+
+
+def left_behind(run_dir: str) -> str:
+    """What a signal outside the training loops leaves (preemption.handled), in a sentence."""
+    return f"{rundir.last_checkpoint(run_dir)} Finished stages are kept; resume with the same command and --resume"
 
 
 def run(cfg: Config, dist_info) -> dict:
