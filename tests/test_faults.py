@@ -161,8 +161,10 @@ def test_sigint_saves_and_stops_a_moved_run_resumed_with_other_save_and_memory_s
     """Item 4: SIGINT printed two tracebacks and saved nothing. Two signals at once (torchrun
     forwards what SLURM or the terminal already sent every process) are one request. Items 5 and 6:
     the run resumes in a moved run directory (another --out-dir was refused), with another
-    --save-every and --micro-batch-size (refused by value pretraining's settings check)."""
+    --save-every and --micro-batch-size (refused by value pretraining's settings check). Item 3: the
+    .lock a killed run left blocks nothing."""
     moved = moved_copy(base, tmp_path)
+    (moved / "base" / ".lock").write_text("4194304 elsewhere\n")  # its process is gone: no lock held
     real_step = train.ppo_step
 
     def interrupted(cfg, step, *args):
@@ -260,7 +262,8 @@ def test_sigterm_saves_and_resumes_bit_identically_and_a_second_run_meanwhile_is
     step = checkpoints.checkpoint_extra(str(run_dir / "checkpoint"))["step"]
     assert f"preempted at step {step}:" in out and step < 3
 
-    train.main(micro_config(out_dir, "--run-name", "term", *flags, "--resume"))  # its .lock file left: no matter
+    assert not (run_dir / ".lock").exists()  # removed on its way out
+    train.main(micro_config(out_dir, "--run-name", "term", *flags, "--resume"))
     assert_same_metrics(read_metrics(base), read_metrics(run_dir))
 
 
