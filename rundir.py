@@ -8,7 +8,8 @@ The run directory, <out_dir>/<run_name>/:
     eval_sft.json   pi_SFT's held-out scores, computed once (`evaluate.evaluate_once`).
     metrics.jsonl   one row per PPO step, plus TensorBoard events (`MetricsLog`).
     checkpoint/     actor, critic, optimizers, schedulers and step (`save` / `resume`), and
-                    checkpoint.old/, the one before it, kept in case the newest is damaged.
+                    checkpoint.old/, the one before it, kept in case the newest is damaged (a
+                    --resume sets a damaged one aside as checkpoint.damaged/).
     value_pretrain  a link to the value-pretrained critic and its curve, a stage shared by the runs
                     that pretrain the same critic (`build_shared`, below).
     summary.json    pi_SFT's and the final policy's scores (train.py).
