@@ -8,7 +8,8 @@ and verl load the same way); one process loads with `from_pretrained`, as anyone
 
 Training checkpoints (`save_checkpoint`, `load_checkpoint`) are torch.distributed.checkpoint (DCP)
 directories, written by the same code in one process and under torchrun, and renamed into place so
-that a killed save keeps the previous one.
+that a killed save keeps the previous one; the one before the newest is kept too, and a damaged
+newest one is passed over (`restore_latest`).
 
 Full (unsharded) weights leave the trainer in two ways, both streamed one bounded bucket at a
 time so no rank ever holds the whole model (TRL #7131): into the vLLM engine after each update
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import io
 import json
 import logging
 import math
@@ -35,8 +37,9 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
                                                      set_state_dict)
 from torch.distributed.tensor import DTensor, Shard
+from tqdm import tqdm
 
-from fsdp_utils import barrier, is_main, local_device, rank, shard_model, world_size
+from fsdp_utils import any_rank, barrier, is_main, local_device, rank, shard_model, world_size
 
 # DCP warns on every save/load in a single process; that is this project's everyday case.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -70,7 +73,6 @@ def load_pretrained(model_class, path: str, config=None, fresh=(), device=None, 
             raise CheckpointError(f"{path}: {'; '.join(problems)} (a {model_class.__name__} needs them)")
         # FSDP2 over a one-rank group on a GPU; on the CPU, the same model with the checkpointing asked for
         return shard_model(model if device is None else model.to(device), **shard_options)
-    from tqdm import tqdm
     from transformers import AutoConfig, GenerationConfig
 
     config = config if config is not None else AutoConfig.from_pretrained(path)
@@ -173,8 +175,10 @@ def _safetensors_index(path: str) -> dict[str, str]:
 def save_checkpoint(path: str, models: dict, optimizers: dict, extra: dict) -> None:
     """Models + optimizers (sharded or not) + plain extras (step, RNG, config) into `path`.
 
-    Written to `path.tmp` and renamed, so a run killed while saving keeps the previous checkpoint
-    (`latest_checkpoint` finds it, whichever step the kill came at).
+    Written to `path.tmp` and renamed; the checkpoint it replaces stays as `path.old` until the next
+    save is complete, so a run killed while saving, or a damaged newest checkpoint, leaves one to
+    resume from (`latest_checkpoint`). A failed write (a full disk) raises CheckpointError naming
+    the cause and removes `path.tmp`.
     """
     state = {}
     for name, model in models.items():
@@ -184,15 +188,43 @@ def save_checkpoint(path: str, models: dict, optimizers: dict, extra: dict) -> N
     if is_main():  # a complete tmp left by a killed save must not mix with this one's files
         shutil.rmtree(tmp, ignore_errors=True)
     barrier()
-    dcp.save(state, checkpoint_id=tmp)
+    failure = None
+    try:
+        dcp.save(state, checkpoint_id=tmp)
+        if is_main():
+            buffer = io.BytesIO()
+            torch.save(extra, buffer)
+            with open(os.path.join(tmp, "extra.pt"), "wb") as f:  # last: its presence marks tmp complete
+                f.write(buffer.getbuffer())
+    except (Exception, dcp.api.CheckpointException) as err:  # DCP's is a BaseException
+        failure = err
+    if any_rank(failure is not None):  # every rank stops, not only the one whose write failed
+        free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
+        if is_main():
+            shutil.rmtree(tmp, ignore_errors=True)
+        reason = "it failed on another rank" if failure is None else _os_reason(failure) or _reason(failure)
+        raise CheckpointError(f"cannot save a checkpoint to {path}: {reason} ({free / 2**20:.0f} MiB free there)")
     if is_main():
-        torch.save(extra, os.path.join(tmp, "extra.pt"))
         if os.path.exists(path):
             shutil.rmtree(path + ".old", ignore_errors=True)  # half deleted by a kill: path is newer
             os.replace(path, path + ".old")
         os.replace(tmp, path)
-        shutil.rmtree(path + ".old", ignore_errors=True)
     barrier()
+
+
+def _os_reason(err: BaseException) -> str | None:
+    """The operating system's word for a failed write ("No space left on device"), wherever it sits
+    in `err`: its chain of causes, or the per-rank failures a DCP CheckpointException holds."""
+    seen, todo = set(), [err]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno:
+            return os.strerror(e.errno)
+        todo += [e.__cause__, e.__context__, *(failure[0] for failure in getattr(e, "failures", {}).values())]
+    return None
 
 
 def remove_checkpoint(path: str) -> None:
@@ -200,15 +232,71 @@ def remove_checkpoint(path: str) -> None:
     if is_main():
         for leftover in (path, path + ".tmp", path + ".old"):
             shutil.rmtree(leftover, ignore_errors=True)
+            shutil.rmtree(leftover + ".damaged", ignore_errors=True)
+
+
+def saved_checkpoints(path: str) -> list[str]:
+    """What `save_checkpoint(path, ...)` left that should hold a checkpoint, newest first: `path`,
+    `path.tmp` if complete (its extra.pt, written last, is there: a save killed between its two
+    renames), `path.old` (the one before). An incomplete `path.tmp` is a killed save, not one."""
+    return [c for c in (path, path + ".tmp", path + ".old")
+            if os.path.isdir(c) and (not c.endswith(".tmp") or os.path.exists(os.path.join(c, "extra.pt")))]
+
+
+def check_checkpoint(path: str) -> dict:
+    """The extras of the checkpoint at `path`, once its extra.pt and DCP metadata read back and
+    every file the metadata names is there; CheckpointError naming what is wrong. (A shard cut
+    short shows only when it is loaded: `load_checkpoint`.)"""
+    extra = checkpoint_extra(path)
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+    except Exception as err:
+        raise CheckpointError(f"cannot read {path}/.metadata ({_reason(err)})") from None
+    files = {item.relative_path for item in metadata.storage_data.values()}
+    if missing := sorted(f for f in files if not os.path.exists(os.path.join(path, f))):
+        raise CheckpointError(f"{path} lacks {', '.join(missing)}")
+    return extra
 
 
 def latest_checkpoint(path: str) -> str | None:
-    """The newest complete checkpoint that `save_checkpoint(path, ...)` left, or None. A save
-    killed between its two renames leaves no `path`, the new one at `path.tmp` (complete once
-    extra.pt, written last, is there) and the previous one at `path.old`."""
-    for candidate in (path, path + ".tmp", path + ".old"):
-        if os.path.exists(os.path.join(candidate, "extra.pt")):
-            return candidate
+    """The newest checkpoint that `save_checkpoint(path, ...)` left that reads back
+    (`check_checkpoint`); None if none was ever saved. CheckpointError when every one it left is
+    damaged: a damaged checkpoint is never taken for no checkpoint."""
+    found = _newest(path, check_checkpoint)
+    return found and found[0]
+
+
+def restore_latest(path: str, models: dict, optimizers: dict) -> tuple[str, dict] | None:
+    """`load_checkpoint` of the newest checkpoint that `save_checkpoint(path, ...)` left that loads:
+    (where, its extras), or None if none was ever saved. Each damaged newer one is said and set
+    aside as <name>.damaged, so that the next save keeps the one restored as `path.old`."""
+    def load(candidate):
+        check_checkpoint(candidate)
+        return load_checkpoint(candidate, models, optimizers)  # a failed load is undone by the next one's
+
+    return _newest(path, load, set_aside=True)
+
+
+def _newest(path: str, read, set_aside: bool = False) -> tuple[str, object] | None:
+    """(the newest of `saved_checkpoints(path)` that `read` takes without CheckpointError, what it
+    returned); None if there is none; CheckpointError naming each one's damage if none reads."""
+    damaged = []
+    for candidate in saved_checkpoints(path):
+        try:
+            result = read(candidate)
+        except CheckpointError as err:
+            damaged.append((candidate, str(err)))
+            continue
+        for bad, reason in damaged if set_aside else ():
+            if is_main():
+                shutil.rmtree(bad + ".damaged", ignore_errors=True)
+                os.replace(bad, bad + ".damaged")
+                tqdm.write(f"{reason}: moved it to {bad}.damaged; resuming from the checkpoint before it, {candidate}")
+        barrier()
+        return candidate, result
+    if damaged:
+        raise CheckpointError(f"{'; '.join(reason for _, reason in damaged)}; no earlier checkpoint to fall back "
+                              f"to (run without --resume to start again from step 0)")
     return None
 
 
@@ -221,8 +309,10 @@ def checkpoint_extra(path: str) -> dict:
     """The plain extras (step, ...) of a checkpoint that `save_checkpoint` wrote, nothing restored."""
     try:
         return torch.load(os.path.join(path, "extra.pt"), weights_only=False)
+    except FileNotFoundError:  # a directory renamed into place is complete: this one was damaged since
+        raise CheckpointError(f"{path} has no extra.pt (the step, schedulers and settings)") from None
     except Exception as err:  # a truncated or foreign file
-        raise CheckpointError(f"cannot read {path}/extra.pt ({type(err).__name__}: {err})") from None
+        raise CheckpointError(f"cannot read {path}/extra.pt ({_reason(err)})") from None
 
 
 def _reason(err: BaseException) -> str:

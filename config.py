@@ -406,11 +406,9 @@ def _check_preset_chosen() -> None:
 def check_settings(where: str, stored: dict, wanted: dict, ignore=(), remedy: str = "delete it") -> None:
     """ConfigError when something saved on disk (a run directory, a cached model) was made with other
     settings than `wanted`: reusing it would silently mix two experiments. Keys in `ignore` may
-    differ; out_dir compares as a path. The message names every difference, as a flag."""
-    same_dir = lambda a, b: isinstance(a, str) and os.path.realpath(a) == os.path.realpath(b)  # noqa: E731
+    differ. The message names every difference, as a flag."""
     wanted = json.loads(json.dumps(wanted))  # as it was stored: a tuple flag reads back as a list
-    diff = sorted(k for k, v in wanted.items() if k not in ignore
-                  and not (stored.get(k) == v or k == "out_dir" and same_dir(stored.get(k), v)))
+    diff = sorted(k for k, v in wanted.items() if k not in ignore and stored.get(k) != v)
     if diff:
         shown = ", ".join(f"--{k.replace('_', '-')} {stored[k]!r} -> {wanted[k]!r}" if k in stored
                           else f"--{k.replace('_', '-')} (not recorded) -> {wanted[k]!r}" for k in diff)

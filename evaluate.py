@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from data import stream_seed
 from fsdp_utils import distributed, rank, world_size
-from rundir import write_json
+from rundir import read_json, write_json
 from sampling import Sampler
 
 SHOWN_SAMPLES = 8  # the summary keeps the texts of the first samples, all from the first records
@@ -125,8 +125,7 @@ def evaluate_once(sampler: Sampler, records: list[dict], tag: str, path: str) ->
     """`evaluate`, computed once and kept at `path` (pi_SFT's scores: a resumed 32B run would
     otherwise sample the whole held-out set again); deterministic, like every draw here."""
     if os.path.exists(path):
-        with open(path) as f:
-            return json.load(f)
+        return read_json(path, "delete it to evaluate pi_SFT again")
     result = json.loads(json.dumps(evaluate(sampler, records, tag)))  # as it will be read back
     if rank() == 0:
         write_json(path, result)

@@ -88,9 +88,9 @@ def close_distributed() -> None:
         dist.destroy_process_group()
 
 
-def exit_now_if_gloo() -> None:
+def exit_now_if_gloo(status: int = 0) -> None:
     """After close_distributed, in a process that ran gloo collectives (torchrun on CPU): exit with
-    status 0 at once, skipping interpreter shutdown; elsewhere return. Gloo's worker threads outlive
+    `status` at once, skipping interpreter shutdown; elsewhere return. Gloo's worker threads outlive
     destroy_process_group and may still be dropping the last collective's tensors, which takes the
     GIL; a thread that asks for it once shutdown has begun exits (Python < 3.14) through a C++
     noexcept destructor, and the rank, its work all saved, aborts with "terminate called without an
@@ -100,7 +100,7 @@ def exit_now_if_gloo() -> None:
     if _gloo_threads and "vllm" not in sys.modules:
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
+        os._exit(status)
 
 
 def all_reduce(value: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -114,6 +114,21 @@ def all_reduce(value: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         if on_wire is not value:
             value.copy_(on_wire)
     return value
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank when `flag` is true on any: a decision that every rank must take alike (to
+    save and stop, to build a stage or reuse it) made once all have looked; `flag` itself in one process."""
+    return bool(all_reduce(torch.tensor([float(flag)]), op=dist.ReduceOp.MAX).item())
+
+
+def from_main(obj):
+    """Rank 0's `obj` (picklable) on every rank; `obj` itself in one process."""
+    if world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def reduce_metrics(metrics: dict, sums=(), maxes=()) -> dict:

@@ -24,6 +24,7 @@ import logging
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -35,6 +36,12 @@ from math_verify import parse, verify
 
 # math-verify warns once that its timeout is disabled; the Grader's process timeout replaces it.
 logging.getLogger("math_verify").setLevel(logging.ERROR)
+
+# What a user or a scheduler sends a whole job to stop it (Ctrl-C reaches every process of the
+# terminal's group, SLURM signals every process of the step): the trainer finishes its step and saves
+# (preemption.py), so its grader workers ignore them and grade that step to the end. They stop when
+# the trainer closes their pipe, or kills them.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
 
 _BOX_OPEN = re.compile(r"\\(?:boxed|fbox)\s*\{")
 # ASCII digits only: math-verify reads Arabic-Indic (١٢٣٤) or full-width (１２３４) digits as no
@@ -128,6 +135,8 @@ class GradeResult:
 
 def _worker_main(fd: int) -> None:
     """Grader worker: warm up, say "ready", then answer [(idx, answer, gold), ...] item by item."""
+    for stop in STOP_SIGNALS:
+        signal.signal(stop, signal.SIG_IGN)
     conn = Connection(fd)
     _math_equal("\\frac{1}{2}", "0.5")  # first call builds math-verify's grammar: do it before work
     try:

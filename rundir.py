@@ -2,11 +2,14 @@
 
 The run directory, <out_dir>/<run_name>/:
 
+    .lock           while a run uses the directory, its process (`locked`): a second run on it stops.
     config.json     the settings. Rerunning or resuming with settings that change the experiment
                     stops (`prepare`): only the run's length and how it runs may change.
     eval_sft.json   pi_SFT's held-out scores, computed once (`evaluate.evaluate_once`).
     metrics.jsonl   one row per PPO step, plus TensorBoard events (`MetricsLog`).
-    checkpoint/     actor, critic, optimizers, schedulers and step (`save` / `resume`).
+    checkpoint/     actor, critic, optimizers, schedulers and step (`save` / `resume`), and
+                    checkpoint.old/, the one before it, kept in case the newest is damaged (a
+                    --resume sets a damaged one aside as checkpoint.damaged/).
     actor_hf/       the final actor in Hugging Face format, tokenizer included (train.export_actor;
                     actor_hf_steps/step_<N>/ with --save-hf-every).
     value_pretrain  a link to the value-pretrained critic and its curve, a stage shared by the runs
@@ -22,12 +25,15 @@ with other settings stops instead of reusing it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import math
 import os
 import shutil
+import socket
 
 from tqdm import tqdm
 
@@ -39,36 +45,115 @@ STAGE_SETTINGS = "settings.json"  # in a cached stage's directory: what it was b
 
 # What may differ between a run directory's config.json and a rerun or --resume of it: the run's
 # length, and how it runs (memory savers and throughput levers too, to resume a run that ran out of
-# memory or time).
-MAY_CHANGE = ("resume", "threads", "steps", "save_every", "save_hf_every", "eval_every", "grader_workers",
+# memory or time), and where the run directory is (it may move). No cached stage is keyed on them.
+MAY_CHANGE = ("resume", "out_dir", "threads", "steps", "save_every", "save_hf_every", "eval_every", "grader_workers",
               "grader_timeout_s", "wandb_project", "micro_batch_size", "activation_checkpointing", "cpu_offload",
               "gpu_memory_utilization", "checkpoint_fraction", "micro_batch_tokens", "logprob_chunk_tokens",
               "compile_layers")
 # What a rerun takes from the run directory instead of computing it again: never without the
 # config.json that says which settings made it.
-REUSED = ("eval_sft.json", "value_pretrain", "checkpoint", "checkpoint.tmp", "checkpoint.old")
+REUSED = ("eval_sft.json", "value_pretrain", "checkpoint", "checkpoint.tmp", "checkpoint.old", "checkpoint.damaged")
+
+
+@contextlib.contextmanager
+def locked(cfg: Config):
+    """Hold the run's directory for the block: a second run on it (the same command twice, or a
+    --resume while the first runs) stops at once, naming the process that holds it. The lock is a
+    POSIX lock (fcntl.lockf) on <run_dir>/.lock, taken by rank 0: the kernel drops it when the
+    process ends, however it ends, so the file a killed run leaves blocks nothing, and unlike
+    flock's it is not inherited by the processes the run starts (grader workers, vLLM's). Taking
+    it is the first write to the out-dir: one that cannot be written stops here, before any model
+    loads. The file, and the directories made for it, go at the end: a refused command leaves the
+    out-dir as it was."""
+    run_dir, fd, refusal = os.path.join(cfg.out_dir, cfg.run_name), None, None
+    path, made = os.path.join(run_dir, ".lock"), []
+    if fsdp_utils.is_main():
+        for parent in _parents(run_dir):
+            if not os.path.isdir(parent):
+                made.append(parent)
+        try:
+            os.makedirs(run_dir, exist_ok=True)
+            fd, holder = _lock(path)
+        except OSError as err:
+            refusal = f"cannot write to {run_dir} ({err.strerror}); choose another --out-dir"
+        else:
+            if fd is None:
+                refusal = (f"{run_dir} is in use by another run ({holder}); wait for it to end, or stop it "
+                           f"(SIGTERM saves a checkpoint) and run again with --resume")
+    try:
+        refusal = fsdp_utils.from_main(refusal)
+        if refusal:
+            raise ConfigError(refusal)
+        yield run_dir
+    finally:
+        if fd is not None:
+            os.unlink(path)  # before the lock goes: a run that opened this file then locks a new one (`_lock`)
+            os.close(fd)
+        for directory in reversed(made):  # the ones this run made, if it left nothing in them
+            with contextlib.suppress(OSError):
+                os.rmdir(directory)
+
+
+def _parents(path: str) -> list[str]:
+    """`path` and the directories above it, outermost first."""
+    path = os.path.abspath(path)
+    return [*_parents(os.path.dirname(path)), path] if os.path.dirname(path) != path else [path]
+
+
+def _lock(path: str) -> tuple[int | None, str]:
+    """(a descriptor holding the lock on the file at `path`, "") or, when another process holds
+    it, (None, which process that is). A lock taken on a file its holder has just removed (at its
+    end) is taken again on the new one."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").split()
+            os.close(fd)
+            return None, f"process {holder[0]} on {holder[1]}" if len(holder) == 2 else "another process"
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                os.ftruncate(fd, 0)  # the file a killed run left names it
+                os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
+                return fd, ""
+        os.close(fd)
 
 
 def check(cfg: Config) -> str:
     """The run's directory, read and not written: stops if its config.json holds other settings
-    (see MAY_CHANGE), if it holds outputs but no config.json to check them against, or if
-    --resume would start past --steps. A refused command leaves the directory as it was."""
+    (see MAY_CHANGE), if it holds outputs but no config.json to check them against, or, with
+    --resume, if its checkpoints are all damaged, if its metrics.jsonl is damaged, or if it would
+    start past --steps. A refused command leaves the directory as it was."""
     run_dir = os.path.join(cfg.out_dir, cfg.run_name)
     saved = os.path.join(run_dir, "config.json")
     if os.path.exists(saved):
-        with open(saved) as f:
-            check_settings(run_dir, json.load(f), dataclasses.asdict(cfg), ignore=MAY_CHANGE,
-                           remedy="choose another --run-name or delete it")
+        check_settings(run_dir, read_json(saved, "restore it or choose another --run-name"), dataclasses.asdict(cfg),
+                       ignore=MAY_CHANGE, remedy="choose another --run-name or delete it")
     elif reused := [name for name in REUSED if os.path.exists(os.path.join(run_dir, name))]:
         raise ConfigError(f"{run_dir} holds {', '.join(reused)} but no config.json, the settings "
                          f"{'they were' if len(reused) > 1 else 'it was'} made with; choose another --run-name or "
                          f"delete it")
-    found = checkpoints.latest_checkpoint(os.path.join(run_dir, "checkpoint"))
-    if cfg.resume and found:
+    if cfg.resume and (found := checkpoints.latest_checkpoint(os.path.join(run_dir, "checkpoint"))):
         step = checkpoints.checkpoint_extra(found)["step"]
         if step + 1 > cfg.steps:
             raise ConfigError(f"{found} is at step {step}, past --steps {cfg.steps}")
+        if os.path.exists(metrics := os.path.join(run_dir, "metrics.jsonl")):
+            logged_rows(metrics)
     return run_dir
+
+
+def read_json(path: str, remedy: str):
+    """The JSON object in `path` (a file the run wrote); ConfigError naming the file when it is not one."""
+    try:
+        with open(path, "rb") as f:
+            value = json.loads(f.read().decode())
+        if isinstance(value, dict):
+            return value
+        reason = f"a JSON {type(value).__name__}, not an object"
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        reason = f"{type(err).__name__}: {err}"
+    raise ConfigError(f"{path} is damaged ({reason[:200]}); {remedy}")
 
 
 def prepare(cfg: Config) -> str:
@@ -114,7 +199,8 @@ def build_once(path: str, settings: dict, build, remedy: str = "delete it to bui
     gets settings.json and its final name. True if built now. `build` runs on every rank (a
     collective export needs them all; a stage that one rank builds checks the rank itself); rank 0
     renames. A build that finds `path` taken when it ends (another run built it meanwhile) is dropped."""
-    if os.path.exists(path):
+    # Every rank looks before any builds: ranks that decided apart would wait in different collectives.
+    if fsdp_utils.any_rank(os.path.exists(path)):
         check_stage(path, settings, remedy)
         return False
     # A killed build's leftovers stay: value pretraining resumes from its checkpoint there, and
@@ -142,17 +228,24 @@ def build_shared(cfg, link: str, settings: dict, build) -> bool:
     building it at once never mix their files, and a killed one resumes its own. True if built now."""
     if os.path.islink(link) and not os.path.exists(link):
         raise ConfigError(f"{link} points to {os.readlink(link)}, which is gone; delete the link to build it again")
-    if os.path.lexists(link):  # linked by an earlier start of this run
+    # Every rank looks before rank 0 links it (below): a rank that looked after it would skip the
+    # barrier the others wait in, and train on alone (a deadlock).
+    if fsdp_utils.any_rank(os.path.lexists(link)):  # linked by an earlier start of this run
         check_stage(link, settings)
         return False
-    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
-    shared = os.path.join(cfg.out_dir, "_shared", os.path.basename(link), key)
+    shared = shared_path(cfg, os.path.basename(link), settings)
     os.makedirs(os.path.dirname(shared), exist_ok=True)
     built = build_once(shared, settings, build, staging=f"{shared}.partial-{cfg.run_name}")
     if fsdp_utils.is_main():
         os.symlink(os.path.relpath(shared, os.path.dirname(link)), link)
     fsdp_utils.barrier()
     return built
+
+
+def shared_path(cfg, name: str, settings: dict) -> str:
+    """Where `build_shared` keeps the stage `name` built with `settings`."""
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    return os.path.join(cfg.out_dir, "_shared", name, key)
 
 
 def check_stage(path: str, settings: dict, remedy: str = "delete it to build it again") -> None:
@@ -163,8 +256,7 @@ def check_stage(path: str, settings: dict, remedy: str = "delete it to build it 
     if not os.path.exists(saved):
         raise ConfigError(f"{path} holds no {STAGE_SETTINGS} with the settings it was built with, so it cannot "
                           f"be checked against this run's; {remedy}")
-    with open(saved) as f:
-        check_settings(path, json.load(f), settings, remedy=remedy)
+    check_settings(path, read_json(saved, remedy), settings, remedy=remedy)
 
 
 def save(cfg, run_dir: str, step: int, models: dict, optimizers: dict, schedulers: list) -> None:
@@ -176,11 +268,11 @@ def save(cfg, run_dir: str, step: int, models: dict, optimizers: dict, scheduler
 
 
 def resume(cfg, run_dir: str, models: dict, optimizers: dict, schedulers: list) -> int:
-    """With --resume, restore the newest complete checkpoint in place; the step to start from."""
+    """With --resume, restore the newest checkpoint that reads back in place (saying which damaged
+    one it passes over); the step to start from."""
     ckpt = os.path.join(run_dir, "checkpoint")
-    found = checkpoints.latest_checkpoint(ckpt)
-    if cfg.resume and found:
-        extra = checkpoints.load_checkpoint(found, models, optimizers)  # start <= cfg.steps: see check
+    if cfg.resume and (restored := checkpoints.restore_latest(ckpt, models, optimizers)):
+        found, extra = restored  # start <= cfg.steps: see check
         start, saved_world, world = extra["step"] + 1, extra.get("world_size", 1), fsdp_utils.world_size()
         for scheduler, state in zip(schedulers, extra["schedulers"]):
             scheduler.load_state_dict(state)
@@ -189,7 +281,7 @@ def resume(cfg, run_dir: str, models: dict, optimizers: dict, schedulers: list) 
             tqdm.write(f"note: world size {world}, checkpoint written at {saved_world}: the rest of the run "
                        f"samples differently than the uninterrupted run would have")
         return start
-    if found or cfg.resume:
+    if (found := checkpoints.saved_checkpoints(ckpt)) or cfg.resume:
         tqdm.write(f"{'found' if found else 'no checkpoint at'} {ckpt}: PPO starts at step 0, and replaces "
                    f"{run_dir}/metrics.jsonl{'' if cfg.resume else ' (--resume continues from it)'}")
     return 0
@@ -197,13 +289,13 @@ def resume(cfg, run_dir: str, models: dict, optimizers: dict, schedulers: list) 
 
 def last_checkpoint(run_dir: str) -> str:
     """The newest checkpoint a stopped run left, as a sentence."""
-    found = checkpoints.latest_checkpoint(os.path.join(run_dir, "checkpoint"))
-    return f"Last checkpoint: {found}." if found else "No checkpoint yet."
+    found = checkpoints.saved_checkpoints(os.path.join(run_dir, "checkpoint"))
+    return f"Last checkpoint: {found[0]}." if found else "No checkpoint yet."
 
 
 class MetricsLog:
     """metrics.jsonl + TensorBoard (+ Weights & Biases with `wandb_project`), written by rank 0; a
-    resumed run first drops the rows after its checkpoint (wandb keeps what it was sent)."""
+    resumed run first drops the rows after its checkpoint (`logged_rows`; wandb keeps what it was sent)."""
 
     def __init__(self, run_dir: str, keep_up_to_step: int, wandb_project: str | None = None,
                  config: dict | None = None):
@@ -219,9 +311,11 @@ class MetricsLog:
         from torch.utils.tensorboard import SummaryWriter
 
         kept = []
-        if os.path.exists(self.path):
-            with open(self.path) as f:
-                kept = [line for line in f if _logged_step(line) <= keep_up_to_step]
+        if keep_up_to_step >= 0 and os.path.exists(self.path):
+            rows, torn = logged_rows(self.path)
+            if torn is not None:
+                tqdm.write(f"{self.path}: dropped its last line, cut short when the run stopped ({torn[:60]!r})")
+            kept = [line for step, line in rows if step <= keep_up_to_step]
         with open(self.path, "w") as f:
             f.writelines(kept)
         self.tb = SummaryWriter(run_dir, purge_step=keep_up_to_step + 1)  # drop the replayed steps
@@ -244,9 +338,24 @@ class MetricsLog:
                 self.wandb.finish()
 
 
-def _logged_step(line: str) -> float:
-    """The step of a metrics.jsonl line; inf for a line a kill cut short (dropped on resume)."""
-    try:
-        return json.loads(line)["step"]
-    except (json.JSONDecodeError, KeyError, TypeError):
-        return math.inf
+def logged_rows(path: str) -> tuple[list[tuple[int, str]], str | None]:
+    """The rows of a metrics.jsonl as (step, line), and its last line if a kill cut it short (not a
+    row, no newline): that one is dropped on resume. Any other line that is not a row is damage
+    that dropping would hide: ConfigError naming the line."""
+    with open(path, "rb") as f:
+        lines = f.read().splitlines(keepends=True)
+    rows = []
+    for number, line in enumerate(lines, 1):
+        try:
+            text = line.decode()
+            step = json.loads(text)["step"]
+            if not isinstance(step, int):
+                raise TypeError(f"step {step!r}")
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as err:
+            if number == len(lines) and not line.endswith(b"\n") and line.isascii() and line.startswith(b"{"):
+                return rows, line.decode()  # how a row cut short looks: JSON rows are written in ASCII
+            raise ConfigError(f"{path}:{number}: not a metrics row ({type(err).__name__}: {str(err)[:100]}); "
+                              f"repair or delete that line to resume, or run without --resume to start "
+                              f"again from step 0") from None
+        rows.append((step, text if text.endswith("\n") else text + "\n"))
+    return rows, None

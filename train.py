@@ -28,6 +28,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 import checkpoints
 import fsdp_utils
 import memory_plan
+import preemption
 import rundir
 from config import Config, ConfigError, launch_world_size, parse_config
 from critic import check_orm, critic_loss, load_value_model, prepare_orm, response_values
@@ -295,6 +296,17 @@ def main(cfg: Config) -> dict:
     dist_info = fsdp_utils.init_distributed()
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
+    with rundir.locked(cfg) as run_dir, preemption.handled(lambda: left_behind(run_dir)):
+        return run(cfg, dist_info)
+
+
+def left_behind(run_dir: str) -> str:
+    """What a signal outside the training loops leaves (preemption.handled), in a sentence."""
+    return f"{rundir.last_checkpoint(run_dir)} Finished stages are kept; resume with the same command and --resume"
+
+
+def run(cfg: Config, dist_info) -> dict:
+    """`main` once it holds the run directory: every stage, then PPO."""
     # Every input is checked (run directory, caches, model, data) before the run directory is
     # written: a refused command leaves it as it was, and its corrected rerun is not blocked.
     rundir.check(cfg)
@@ -330,28 +342,32 @@ def main(cfg: Config) -> dict:
 
     bar = tqdm(range(start, cfg.steps), desc="PPO", dynamic_ncols=True, disable=not fsdp_utils.is_main())
     final = None  # the held-out scores after the last step
-    for step in bar:
-        try:
-            metrics = ppo_step(cfg, step, sampler, train_records, models, optimizers, reference)
-            check_diverged(metrics, models)
-        except FloatingPointError as err:  # a diverged model: say so, and what is left to resume from
-            raise FloatingPointError(f"PPO step {step}: {err}; stopped: the model diverged. "
-                                     f"{rundir.last_checkpoint(run_dir)}") from None
-        metrics["actor/lr"] = schedulers[0].get_last_lr()[0]  # the rate this step's updates used
-        for scheduler in schedulers:
-            scheduler.step()
-        sampler.engine.sync_weights(models["actor"])
-        last = step + 1 == cfg.steps
-        if last or cfg.eval_every and (step + 1) % cfg.eval_every == 0:
-            result = evaluate(evaluator, eval_records, f"step {step}")
-            metrics |= val_metrics(result)
-            final = result if last else None
-        log.write(step, metrics)
-        bar.set_postfix(acc=f"{metrics['reward/accuracy']:.2f}", len=f"{metrics['response_length/mean']:.0f}")
-        if (step + 1) % cfg.save_every == 0 or last:
-            rundir.save(cfg, run_dir, step, models, optimizers, schedulers)
-        if cfg.save_hf_every and (step + 1) % cfg.save_hf_every == 0 and not last:
-            export_actor(cfg, models["actor"], tokenizer, os.path.join(run_dir, "actor_hf_steps", f"step_{step + 1}"))
+    with preemption.deferred():  # a signal ends the step, saves and stops (preemption.py)
+        for step in bar:
+            try:
+                metrics = ppo_step(cfg, step, sampler, train_records, models, optimizers, reference)
+                check_diverged(metrics, models)
+            except FloatingPointError as err:  # a diverged model: say so, and what is left to resume from
+                raise FloatingPointError(f"PPO step {step}: {err}; stopped: the model diverged. "
+                                         f"{rundir.last_checkpoint(run_dir)}") from None
+            metrics["actor/lr"] = schedulers[0].get_last_lr()[0]  # the rate this step's updates used
+            for scheduler in schedulers:
+                scheduler.step()
+            sampler.engine.sync_weights(models["actor"])
+            last = step + 1 == cfg.steps
+            if last or cfg.eval_every and (step + 1) % cfg.eval_every == 0:
+                result = evaluate(evaluator, eval_records, f"step {step}")
+                metrics |= val_metrics(result)
+                final = result if last else None
+            log.write(step, metrics)
+            bar.set_postfix(acc=f"{metrics['reward/accuracy']:.2f}", len=f"{metrics['response_length/mean']:.0f}")
+            preempted = preemption.requested()
+            if preempted or (step + 1) % cfg.save_every == 0 or last:
+                rundir.save(cfg, run_dir, step, models, optimizers, schedulers)
+            if cfg.save_hf_every and (step + 1) % cfg.save_hf_every == 0 and not last:
+                export_actor(cfg, models["actor"], tokenizer, os.path.join(run_dir, "actor_hf_steps", f"step_{step + 1}"))
+            if preempted:
+                raise preemption.stop(f"preempted at step {step}: saved {run_dir}/checkpoint")
 
     summary["ppo"] = final or evaluate(evaluator, eval_records, "ppo")
     log.close()
@@ -389,4 +405,7 @@ if __name__ == "__main__":
     except (ConfigError, DataError, ModelError, FileNotFoundError, FloatingPointError,
             checkpoints.CheckpointError) as err:
         sys.exit(f"error: {err}")
+    except preemption.Preempted as stopped:  # its line is printed: exit as a signal would end it
+        fsdp_utils.exit_now_if_gloo(stopped.exit_code)
+        sys.exit(stopped.exit_code)
     fsdp_utils.exit_now_if_gloo()  # torchrun on CPU: see there why

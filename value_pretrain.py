@@ -21,34 +21,36 @@ import os
 import torch
 from tqdm import tqdm
 
+import preemption
+from config import ConfigError
 from critic import critic_loss, response_values, shift_values
 from data import sample_prompts, stream_seed
 from fsdp_utils import is_main, reduce_metrics, world_size
-from checkpoints import export_hf_checkpoint, latest_checkpoint, load_checkpoint, remove_checkpoint, save_checkpoint
+from checkpoints import export_hf_checkpoint, remove_checkpoint, restore_latest, save_checkpoint
 from gae import compute_gae
 from masked import check_masked_inputs
 from ppo import explained_variance
 from ppo_update import assert_finite, micro_batched_forward, update_model
-from rundir import build_shared, json_safe
+from rundir import MAY_CHANGE, build_shared, json_safe
 from sampling import Sampler
 
-# Settings that act only after value pretraining (PPO's own, and the run's name and length).
+# Settings that act only after value pretraining (PPO's own, and the run's name).
 # Runs that differ only in these pretrain the same critic bit for bit (the lambda sweep's runs of one
-# seed, or vc-ppo-no-dgae's), so they share it; every other setting keys it.
-PPO_ONLY = ("run_name", "out_dir", "resume", "plan", "steps", "lam_actor", "lam_critic", "length_adaptive_alpha",
-            "actor_lr", "lr_warmup_steps", "clip_low", "clip_high", "dual_clip", "whiten_advantages", "kl_coef",
-            "kl_estimator", "entropy_coef", "eval_every", "eval_temperature", "eval_max_new_tokens", "save_hf_every",
-            "wandb_project")
+# seed, or vc-ppo-no-dgae's), so they share it.
+PPO_ONLY = ("run_name", "plan", "lam_actor", "lam_critic", "length_adaptive_alpha", "actor_lr", "lr_warmup_steps",
+            "clip_low", "clip_high", "dual_clip", "whiten_advantages", "kl_coef", "kl_estimator", "entropy_coef",
+            "eval_temperature", "eval_max_new_tokens")
 # Data settings added after critics had been pretrained and shared: left out of the key while unset,
 # so that those critics are still found.
 KEYED_WHEN_SET = ("val_data", "val_prompt_key", "val_answer_key", "prompt_template", "answer_format")
 
 
 def pretrain_settings(cfg) -> dict:
-    """What the pretrained critic depends on: every setting but PPO_ONLY, and the world size (each rank
-    samples its own share)."""
+    """What the pretrained critic depends on: every setting but PPO_ONLY and rundir.MAY_CHANGE (how a
+    run runs, which a --resume may change), and the world size (each rank samples its own share)."""
     settings = {k: v for k, v in dataclasses.asdict(cfg).items()
-                if k not in PPO_ONLY and not (k in KEYED_WHEN_SET and v is None)} | {"world_size": world_size()}
+                if k not in PPO_ONLY + MAY_CHANGE and not (k in KEYED_WHEN_SET and v is None)}
+    settings["world_size"] = world_size()
     if cfg.critic_init == "rm" and cfg.model is not None:  # then each run trains its own ORM (critic.orm_path)
         settings["run_name"] = cfg.run_name
     return settings
@@ -98,22 +100,26 @@ def pretrain_value(cfg, critic, critic_optimizer, sampler: Sampler, records: lis
     # Checkpointed every `save_every` steps like PPO (100 steps at 32B take hours); a resumed run
     # replays the same draws (data.stream_seed), so it ends as if never stopped.
     ckpt, history = os.path.join(out_dir, "checkpoint"), []
-    if cfg.resume and (found := latest_checkpoint(ckpt)):
-        history = load_checkpoint(found, {"critic": critic}, {"critic": critic_optimizer})["history"]
+    if cfg.resume and (restored := restore_latest(ckpt, {"critic": critic}, {"critic": critic_optimizer})):
+        found, history = restored[0], restored[1]["history"]
         tqdm.write(f"value pretraining: resumed from {found} at step {len(history)}")
     bar = tqdm(range(len(history), cfg.value_pretrain_steps), desc="value pretraining", dynamic_ncols=True,
                initial=len(history), total=cfg.value_pretrain_steps)
-    for step in bar:
-        try:
-            history.append(row := pretrain_step(cfg, step, critic, critic_optimizer, sampler, records))
-        except FloatingPointError as err:  # a diverged critic: say when
-            raise FloatingPointError(f"value pretraining step {step}: {err}") from None
-        bar.set_postfix(loss=f"{row['value_loss']:.4f}", ev=f"{row['explained_variance']:.3f}")
-        if plateaued(history, cfg.plateau_window, cfg.plateau_rel_tol, cfg.plateau_ev_tol):
-            tqdm.write(f"value pretraining: converged at step {step} (loss and EV plateaued)")
-            break
-        if (step + 1) % cfg.save_every == 0:
-            save_checkpoint(ckpt, {"critic": critic}, {"critic": critic_optimizer}, {"history": history})
+    with preemption.deferred():  # a signal ends the step, saves and stops (preemption.py)
+        for step in bar:
+            try:
+                history.append(row := pretrain_step(cfg, step, critic, critic_optimizer, sampler, records))
+            except FloatingPointError as err:  # a diverged critic: say when
+                raise FloatingPointError(f"value pretraining step {step}: {err}") from None
+            bar.set_postfix(loss=f"{row['value_loss']:.4f}", ev=f"{row['explained_variance']:.3f}")
+            if plateaued(history, cfg.plateau_window, cfg.plateau_rel_tol, cfg.plateau_ev_tol):
+                tqdm.write(f"value pretraining: converged at step {step} (loss and EV plateaued)")
+                break
+            preempted = preemption.requested()
+            if preempted or (step + 1) % cfg.save_every == 0:
+                save_checkpoint(ckpt, {"critic": critic}, {"critic": critic_optimizer}, {"history": history})
+            if preempted:
+                raise preemption.stop(f"preempted at value pretraining step {step}: saved {ckpt}")
     export_hf_checkpoint(critic, None, os.path.join(out_dir, "critic"))  # collective under torchrun
     if is_main():
         with open(os.path.join(out_dir, "curve.jsonl"), "w") as f:
@@ -145,5 +151,9 @@ def prepare_value_critic(cfg, run_dir: str, init_path: str, sampler: Sampler, re
     curve = os.path.join(path, "curve.jsonl")
     if not os.path.exists(curve):
         return critic, None
-    with open(curve) as f:
-        return critic, json.loads(f.readlines()[-1])
+    try:
+        with open(curve, "rb") as f:
+            return critic, json.loads(f.read().splitlines()[-1])
+    except (IndexError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"{curve} is damaged ({type(err).__name__}: {str(err)[:100]}); delete "
+                          f"{os.path.realpath(path)} and {path} to pretrain it again") from None

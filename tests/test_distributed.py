@@ -238,12 +238,13 @@ def test_a_save_killed_between_its_renames_resumes_from_the_newest_complete_chec
     os.remove(os.path.join(path + ".tmp", "extra.pt"))  # as if killed while writing step 2
     assert checkpoints.latest_checkpoint(path) == path + ".old"
     checkpoints.save_checkpoint(path, models, optimizers, {"step": 3})  # and the next save cleans up
-    assert sorted(os.listdir(tmp_path)) == ["checkpoint"]
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint", "checkpoint.old"]  # the one before is kept
     assert checkpoints.load_checkpoint(checkpoints.latest_checkpoint(path), models, optimizers)["step"] == 3
     os.makedirs(os.path.join(path + ".old", "half-deleted"))  # killed while removing the previous one
     checkpoints.save_checkpoint(path, models, optimizers, {"step": 4})
-    assert sorted(os.listdir(tmp_path)) == ["checkpoint"]
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint", "checkpoint.old"]
     assert checkpoints.load_checkpoint(checkpoints.latest_checkpoint(path), models, optimizers)["step"] == 4
+    assert checkpoints.checkpoint_extra(path + ".old")["step"] == 3
 
 
 def test_bucket_size_must_be_positive():
