@@ -23,13 +23,13 @@ import torch
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForTokenClassification
 
-from data import sample_prompts, stream_seed
+from support.data import sample_prompts, stream_seed
 from fsdp_utils import all_reduce, is_main, reduce_metrics, shard_options, world_size
-from checkpoints import copy_local_rows, export_hf_checkpoint, load_pretrained
-from config import ConfigError
+from support.checkpoints import copy_local_rows, export_hf_checkpoint, load_pretrained
+from support.config import ConfigError
 from ppo import value_loss
 from rollout import RolloutBatch
-from rundir import build_once, check_stage
+from support.rundir import build_once, check_stage
 from sampling import Sampler
 
 

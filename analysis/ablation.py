@@ -41,11 +41,11 @@ import matplotlib.pyplot as plt
 import numpy as np
 from tqdm import tqdm
 
-import rundir
+from support import rundir
 from analysis import run_cli
-from config import Config, check_settings, parse_config
+from support.config import Config, check_settings, parse_config
 from critic import orm_path
-from sft import sft_cache_path
+from support.sft import sft_cache_path
 
 TRAIN = Path(__file__).resolve().parents[1] / "train.py"
 CACHE_POLL_S = 10  # how often run_grid looks for the shared stages the waiting runs read

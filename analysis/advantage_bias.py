@@ -31,17 +31,17 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import rundir
+from support import rundir
 from analysis import run_cli
-from config import parse_config
+from support.config import parse_config
 from critic import check_orm, load_value_model, orm_path, orm_quality, prepare_orm, response_values
-from data import prepare_data, sample_prompts, stream_seed
+from support.data import prepare_data, sample_prompts, stream_seed
 from fsdp_utils import local_device
 from gae import compute_gae
-from masked import masked_mean, masked_sum
+from support.masked import masked_mean, masked_sum
 from rollout import HFRollout
 from sampling import Sampler
-from sft import prepare_sft, sft_cache_path
+from support.sft import prepare_sft, sft_cache_path
 from value_pretrain import prepare_value_critic
 from reward import Grader
 

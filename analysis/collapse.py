@@ -50,7 +50,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from analysis import ablation, run_cli
-from config import parse_config
+from support.config import parse_config
 
 OFFSETS = (-3.0, -2.0, -1.0, 0.0, 1.0)  # the dose-response
 WINDOW = 5  # steps of the moving averages

@@ -24,12 +24,12 @@ import torch
 import tyro
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import rundir
-import task
-from checkpoints import latest_checkpoint, load_model_weights
-from config import Config
-from data import task_difficulty
-from sft import evaluate_task, sft_cache_path, sft_config, sft_settings
+from support import rundir
+from support import task
+from support.checkpoints import latest_checkpoint, load_model_weights
+from support.config import Config
+from support.data import task_difficulty
+from support.sft import evaluate_task, sft_cache_path, sft_config, sft_settings
 
 STRATEGIES = ("full", "merged", "shortcut", "invalid", "truncated")
 

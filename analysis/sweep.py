@@ -52,9 +52,9 @@ import numpy as np
 
 from analysis import ablation
 from analysis.collapse import WINDOW, length_ratio
-from config import parse_config
+from support.config import parse_config
 from critic import orm_path, orm_settings
-from sft import sft_cache_path, sft_config, sft_settings
+from support.sft import sft_cache_path, sft_config, sft_settings
 
 CELLS = {  # name -> train.py flags after --preset tiny-long
     "default": ["--steps", "50"],

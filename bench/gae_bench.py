@@ -35,7 +35,7 @@ import time
 import torch
 
 import gae
-import gae_fast
+from support import gae_fast
 
 SHAPES = ((64, 8192), (16, 32768))
 GPU_SHAPES = ((64, 8192), (512, 8192))

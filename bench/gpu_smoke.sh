@@ -151,5 +151,5 @@ else
   echo "== part 4 skipped: vLLM does not import here"
 fi
 echo "== part 5: memory plan for the 32B preset"
-"$PY" memory_plan.py
+"$PY" -m support.memory_plan
 echo "gpu_smoke: all checks passed$([ "$DRY" = 1 ] && echo ' (dry run on the CPU)')"

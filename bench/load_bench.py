@@ -63,7 +63,7 @@ def main() -> None:
 
     import fsdp_utils
     import train
-    from config import Config
+    from support.config import Config
 
     torch.set_num_threads(1)
     info = fsdp_utils.init_distributed()

@@ -34,7 +34,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import fsdp_utils
 import train
-from config import Config
+from support.config import Config
 from ppo_update import update_model
 from rollout import RolloutBatch
 

@@ -36,7 +36,7 @@ def measure(args) -> dict:
     """In the child: build the model, time generation with one backend, return the numbers."""
     import torch
 
-    from task import SHAPES, build_tokenizer, make_problems, make_tiny_model
+    from support.task import SHAPES, build_tokenizer, make_problems, make_tiny_model
 
     torch.set_num_threads(args.threads)
     if args.checkpoint:
@@ -53,7 +53,7 @@ def measure(args) -> dict:
     prompts = [tokenizer(p["prompt"]).input_ids for p in problems]
     start = time.perf_counter()
     if args.backend == "vllm":
-        from checkpoints import export_hf_checkpoint
+        from support.checkpoints import export_hf_checkpoint
         from rollout import VLLMRollout
 
         path = args.checkpoint

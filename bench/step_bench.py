@@ -15,8 +15,8 @@ import torch
 import tyro
 from tqdm import tqdm
 
-import task
-from config import Config
+from support import task
+from support.config import Config
 from ppo_update import update_model
 from rollout import RolloutBatch
 from train import actor_loss

@@ -41,9 +41,9 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     from fsdp_utils import init_distributed, is_main, shard_model
-    from checkpoints import export_hf_checkpoint
+    from support.checkpoints import export_hf_checkpoint
     from rollout import VLLMRollout
-    from task import build_tokenizer, make_tiny_model
+    from support.task import build_tokenizer, make_tiny_model
 
     torch.set_num_threads(args.threads)
     info = init_distributed()

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import config
+from support import config
 from analysis import ablation
 
 from test_train import MICRO

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-import rundir
-import task
+from support import rundir
+from support import task
 from analysis import advantage_bias, value_pretrain_curves
-from config import parse_config
+from support.config import parse_config
 from critic import load_value_model, orm_settings, roc_auc
 
 RUN = "tinyrun"

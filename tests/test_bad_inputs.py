@@ -23,8 +23,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import task
-from sft import ModelError, check_model
+from support import task
+from support.sft import ModelError, check_model
 
 ROOT = Path(__file__).resolve().parents[1]
 MICRO = [  # a few seconds per stage, as in test_train.py
@@ -125,7 +125,7 @@ HOSTILE = """["\\\\boxed{9^{9^{9^{9}}}}", "\\\\boxed{" + "+".join(["1"] * 500_00
 
 
 def test_sft_report_grades_hostile_samples_within_its_timeout(tmp_path):
-    """`python sft.py`'s report grades its own samples; samples that hang math-verify (here every
+    """`python -m support.sft`'s report grades its own samples; samples that hang math-verify (here every
     one of them) score -1 after the grader's timeout instead of hanging the command."""
     code = f"""
 import runpy, sys
@@ -135,7 +135,7 @@ hostile = {HOSTILE}
 rollout.decode_responses = lambda tokenizer, batch: [hostile[i % len(hostile)] for i in range(len(batch))]
 sys.argv = ["sft.py", "--steps", "1", "--batch-size", "2", "--eval-problems", "2", "--grader-timeout-s", "1",
             "--out-dir", {str(tmp_path)!r}]
-runpy.run_path({str(ROOT / "sft.py")!r}, run_name="__main__")
+runpy.run_path({str(ROOT / "support" / "sft.py")!r}, run_name="__main__")
 """
     t0 = time.monotonic()
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=240)
@@ -204,11 +204,11 @@ def test_a_rerun_with_other_settings_names_every_changed_flag(out_dir, first_run
 
 
 def test_a_pi_sft_written_by_sft_py_with_other_settings_is_refused(tmp_path):
-    error, stdout = run_script("sft.py", "--steps", "2", "--eval-problems", "0",
+    error, stdout = run_script("support/sft.py", "--steps", "2", "--eval-problems", "0",
                                "--out-dir", str(tmp_path / "_shared" / "sft"))
     assert error is None and f"saved to {tmp_path / '_shared' / 'sft'}" in stdout
     refused(tmp_path, *QUICK, match=r"_shared/sft was made with other settings \(--sft-steps 2 -> 8\)")
-    (tmp_path / "_shared" / "sft" / "settings.json").unlink()  # as a killed or older sft.py left it
+    (tmp_path / "_shared" / "sft" / "settings.json").unlink()  # as a killed or older `python -m support.sft` left it
     refused(tmp_path, *QUICK, match=r"_shared/sft holds no settings.json")
 
 
@@ -310,8 +310,8 @@ def test_the_readme_quickstart_command_parses_and_reads_gsm8k_as_shipped(sft, tm
     files: the 1.5B preset, the question field, the final numbers as gold answers, the template."""
     from transformers import AutoTokenizer
 
-    from config import parse_config
-    from data import prepare_data
+    from support.config import parse_config
+    from support.data import prepare_data
 
     readme = (ROOT / "README.md").read_text()
     command = readme.split("## Quickstart on one GPU")[1].split("python train.py ")[1].split("```")[0]

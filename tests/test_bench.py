@@ -43,8 +43,8 @@ def test_rollout_bench_profiles_hugging_face_generate():
 
 
 def test_rollout_bench_times_a_trained_checkpoint_on_its_tasks_prompts(tmp_path):
-    from checkpoints import export_hf_checkpoint
-    from task import build_tokenizer, make_tiny_model
+    from support.checkpoints import export_hf_checkpoint
+    from support.task import build_tokenizer, make_tiny_model
 
     tokenizer = build_tokenizer()
     model = make_tiny_model(tokenizer, num_layers=1, seed=0)

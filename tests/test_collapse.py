@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-import config
+from support import config
 from analysis import collapse
 
 from test_train import MICRO

@@ -10,7 +10,7 @@ import pytest
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from data import DataError, LoadStats, encode_prompt, load_records, sample_prompts, stream_seed, train_eval_split
+from support.data import DataError, LoadStats, encode_prompt, load_records, sample_prompts, stream_seed, train_eval_split
 
 TEMPLATE = ("{% for m in messages %}<u>{{ m['content'] }}{% endfor %}"
             "{% if add_generation_prompt %}<a>{% endif %}")
@@ -115,7 +115,7 @@ def test_a_line_that_is_not_utf8_is_one_bad_record(tmp_path):
 def test_unreadable_parquet_and_empty_splits_are_data_errors(tmp_path):
     from types import SimpleNamespace
 
-    from data import prepare_data
+    from support.data import prepare_data
 
     (tmp_path / "d.parquet").write_bytes(b"PAR1 not really")
     with pytest.raises(DataError, match=r"d\.parquet: not a readable Parquet file"):
@@ -212,12 +212,12 @@ def test_a_line_cut_short_is_reported_at_its_real_column(tmp_path):
 
 
 def test_task_difficulty_draws_the_built_in_problems_from_its_range_and_keeps_pi_sft():
-    from config import parse_config
+    from support.config import parse_config
     from critic import orm_path, orm_settings
-    from data import prepare_data
-    from sft import sft_config, sft_settings
+    from support.data import prepare_data
+    from support.sft import sft_config, sft_settings
 
-    import task
+    from support import task
 
     default = parse_config(["--preset", "tiny-long", "--task-train-size", "200", "--task-eval-size", "50"])
     longer = parse_config(["--preset", "tiny-long", "--task-train-size", "200", "--task-eval-size", "50",
@@ -274,7 +274,7 @@ def test_each_sample_layout_loads_and_grades_a_right_and_a_wrong_response(grader
 
 
 def test_gsm8k_answers_are_graded_by_their_final_number():
-    from data import gold_answer
+    from support.data import gold_answer
 
     assert gold_answer("18 + 54 = <<18+54=72>>72\n#### 72", None) == "72"  # detected
     assert gold_answer("#### 1,000,000", "gsm8k") == "1000000" and gold_answer("#### -3.50", None) == "-3.50"
@@ -287,7 +287,7 @@ def test_gsm8k_answers_are_graded_by_their_final_number():
 
 
 def test_dotted_keys_read_nested_fields_and_name_the_row_that_lacks_one(tmp_path):
-    from data import field
+    from support.data import field
 
     assert field({"a": {"b": {"c": 3}}}, "a.b.c") == 3 and field({"a.b": 1, "a": {"b": 2}}, "a.b") == 1
     assert field({"a": {"b": 2}}, "a.c") is None and field({"a": 5}, "a.b") is None
@@ -303,7 +303,7 @@ def test_dotted_keys_read_nested_fields_and_name_the_row_that_lacks_one(tmp_path
 
 
 def test_prompt_template_rewrites_text_and_the_last_user_turn(tmp_path):
-    from data import apply_template
+    from support.data import apply_template
 
     template = "{prompt} Put the answer in \\boxed{}."
     assert apply_template("1+1=", template) == "1+1= Put the answer in \\boxed{}."
@@ -331,7 +331,7 @@ def test_chat_messages_need_a_user_turn_and_a_chat_template(tmp_path):
 
 
 def test_several_files_a_folder_a_glob_and_json_arrays(tmp_path):
-    from data import data_files
+    from support.data import data_files
 
     write_jsonl(tmp_path / "a-00000-of-00002.jsonl", GOOD[:2])  # a Hugging Face shard: data source "a"
     (tmp_path / "b.json").write_text(json.dumps(GOOD[2:]))  # an array

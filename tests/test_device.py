@@ -16,10 +16,10 @@ import torch
 from transformers import AutoModelForTokenClassification
 
 sys.path.insert(0, str(Path(__file__).parent / "dist_workers"))
-import config  # noqa: E402
+from support import config  # noqa: E402
 import train  # noqa: E402
 from common import PROMPTS, tiny_actor  # noqa: E402
-from data import prepare_data  # noqa: E402
+from support.data import prepare_data  # noqa: E402
 from evaluate import evaluate  # noqa: E402
 from critic import load_value_model, prepare_orm  # noqa: E402  # noqa: E402
 from rollout import HFRollout, RolloutBatch  # noqa: E402

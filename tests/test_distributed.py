@@ -12,8 +12,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from dist_workers.common import run_torchrun, tiny_actor
-import checkpoints
-from checkpoints import export_hf_checkpoint, iter_full_weights
+from support import checkpoints
+from support.checkpoints import export_hf_checkpoint, iter_full_weights
 from fsdp_utils import shard_model
 
 # fp32 on CPU: the sharded step reorders sums (reduce-scatter), nothing else differs.
@@ -97,7 +97,7 @@ def test_orm_training_on_two_ranks_matches_one_process(fsdp_run):
 @pytest.mark.slow
 def test_sharded_fresh_value_head_is_the_single_process_head_of_the_same_seed(fsdp_run):
     from critic import load_value_model
-    from data import stream_seed
+    from support.data import stream_seed
 
     single = load_value_model(str(fsdp_run["out_dir"] / "bf16"), seed=stream_seed(7, "critic/head", 0))
     head = single.score.weight.flatten().tolist() + single.score.bias.tolist()
@@ -256,7 +256,7 @@ def test_bucket_size_must_be_positive():
 def test_memory_plan_counts_the_parameters_of_the_real_models():
     from transformers import AutoModelForTokenClassification
 
-    from memory_plan import ModelShape
+    from support.memory_plan import ModelShape
 
     _, model = tiny_actor()
     shape = ModelShape.from_config(model.config)
@@ -268,7 +268,7 @@ def test_memory_plan_counts_the_parameters_of_the_real_models():
 
 
 def test_memory_plan_32b_actor_and_critic_fit_16_h200_but_not_8():
-    from memory_plan import QWEN25_32B, plan
+    from support.memory_plan import QWEN25_32B, plan
 
     assert QWEN25_32B.params() == 32_763_876_352
     sixteen = plan(QWEN25_32B, world_size=16)
@@ -294,14 +294,14 @@ def test_selective_checkpointing_and_compiled_layers_keep_the_parameter_names():
 def test_memory_plan_host_constants_are_the_codes():
     import inspect
 
-    import memory_plan
+    from support import memory_plan
 
     assert memory_plan.READ_BYTES == checkpoints.READ_BYTES
     assert memory_plan.EXPORT_SHARD_BYTES == inspect.signature(export_hf_checkpoint).parameters["shard_bytes"].default
 
 
 def test_memory_plan_host_per_node_holds_read_buffers_not_whole_models():
-    from memory_plan import GIB, QWEN25_32B, needs, plan
+    from support.memory_plan import GIB, QWEN25_32B, needs, plan
 
     sharded = {name: values for name, *values in plan(QWEN25_32B, world_size=16).host_rows}
     assert sharded["loading: each rank's read buffer (2 x 64 MiB)"][0] == 8 * 128 / 1024  # GiB, 8 ranks per node
@@ -325,7 +325,7 @@ def test_the_update_recomputes_activations_only_with_activation_checkpointing(ch
     are in eval mode: update_model trains in training mode, so --activation-checkpointing takes
     effect (each layer runs twice per micro-batch), and leaves the model in eval mode after."""
     import train
-    from config import Config
+    from support.config import Config
     from ppo_update import update_model
     from rollout import HFRollout
 

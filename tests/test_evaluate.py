@@ -47,7 +47,7 @@ def test_scores_are_reported_per_data_source_as_val_metrics():
 
 
 def test_held_out_sampling_takes_its_own_temperature_and_length_where_set():
-    import config
+    from support import config
     from evaluate import eval_sampler
     from sampling import Sampler
 

@@ -16,12 +16,12 @@ import time
 import pytest
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-import checkpoints
-import preemption
-import rundir
+from support import checkpoints
+from support import preemption
+from support import rundir
 import train
 import value_pretrain
-from config import ConfigError
+from support.config import ConfigError
 from test_train import MICRO, ROOT, TORCHRUN, micro_config, read_metrics
 
 FLAGS = ["--value-pretrain-steps", "1", "--save-every", "1"]

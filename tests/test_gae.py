@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import gae
-import gae_fast
+from support import gae_fast
 from gae import (
     compute_gae,
     decoupled_gae,

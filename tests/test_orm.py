@@ -206,7 +206,7 @@ def test_bradley_terry_ranks_right_above_wrong_and_trains_only_score_differences
 
 
 def test_bradley_terry_without_a_right_and_a_wrong_answer_to_one_prompt_is_a_clear_error(tmp_path, one_thread):
-    from config import ConfigError
+    from support.config import ConfigError
 
     model = _tiny_value_model(tmp_path)
     batch, _ = _synthetic_batch(seed=0, batch_size=4)

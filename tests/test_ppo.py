@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from masked import check_masked_inputs, masked_mean, masked_var
+from support.masked import check_masked_inputs, masked_mean, masked_var
 from ppo import aggregate_loss, entropy_from_logits, explained_variance, kl_penalty, policy_loss
 from ppo import response_logprobs, value_loss
 from ppo_update import masked_whiten
@@ -279,7 +279,7 @@ def test_check_masked_inputs_accepts_bool_masks_and_non_prefix_masks_unless_righ
 
 def ragged_rollout(seed=0):
     """A tiny random policy and a RolloutBatch of ragged prompts and responses (random tokens)."""
-    import task
+    from support import task
     from rollout import RolloutBatch, left_pad
 
     tokenizer = task.build_tokenizer()

@@ -168,8 +168,8 @@ for answer in hostile:
 
 
 def test_the_sft_report_grades_through_a_grader_with_a_timeout(monkeypatch):
-    import sft
-    import task
+    from support import sft
+    from support import task
 
     tokenizer = task.build_tokenizer()
     model = task.make_tiny_model(tokenizer, num_layers=1, intermediate_size=64, seed=0)

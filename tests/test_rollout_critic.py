@@ -7,9 +7,9 @@ import shutil
 import pytest
 import torch
 
-import task
+from support import task
 from critic import load_value_model, response_values, value_outputs
-from checkpoints import CheckpointError
+from support.checkpoints import CheckpointError
 from ppo import response_logprobs
 from ppo_update import assert_finite
 from rollout import HFRollout, decode_responses, left_pad

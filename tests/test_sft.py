@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import sft
-import task
+from support import sft
+from support import task
 
 
 def _tiny(tokenizer):
@@ -121,12 +121,12 @@ def test_the_long_task_has_its_own_pi_sft_cache_with_wide_lines(tmp_path):
 
 
 def test_a_cached_pi_sft_is_reused_only_with_the_settings_it_records(tmp_path):
-    """`python sft.py` writes the cache train.py reuses: its settings decide, and a cache without
+    """`python -m support.sft` writes the cache train.py reuses: its settings decide, and a cache without
     them (a killed or older sft.py) is refused, never taken as it is."""
-    from config import ConfigError
+    from support.config import ConfigError
 
     cache = tmp_path / "_shared" / "sft"
-    # As `python sft.py` does: its report flags (eval_problems, threads, ...) are not the model's settings.
+    # As `python -m support.sft` does: its report flags (eval_problems, threads, ...) are not the model's settings.
     sft.train_sft(sft.Args(out_dir=str(cache), steps=2, micro_batch_size=2, eval_problems=0, threads=2))
     assert "threads" not in json.loads((cache / "settings.json").read_text())
     assert sft.prepare_sft(SimpleNamespace(model=None, out_dir=str(tmp_path), sft_steps=2, task_length="short")) == str(cache)

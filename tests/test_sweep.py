@@ -3,7 +3,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-import config
+from support import config
 from analysis import ablation, sweep
 
 

@@ -4,7 +4,7 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-import task
+from support import task
 from reward import rule_reward
 
 

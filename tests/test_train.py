@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-import checkpoints
-import config
+from support import checkpoints
+from support import config
 import critic
-import rundir
+from support import rundir
 import train
 from reward import GradeResult
 
@@ -44,7 +44,7 @@ def out_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def sft(out_dir):
     """The micro pi_SFT of this module, trained once by train.py's own SFT stage."""
-    from sft import prepare_sft
+    from support.sft import prepare_sft
 
     return prepare_sft(micro_config(out_dir))
 
@@ -161,7 +161,7 @@ def test_a_users_verl_and_gsm8k_files_train_and_the_exported_actor_gives_the_tra
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from data import encode_prompt
+    from support.data import encode_prompt
 
     summary, run_dir, model = users_run
     rows = read_metrics(run_dir)
@@ -230,9 +230,9 @@ class EasyProblemGrader:
 def test_value_pretraining_lowers_value_loss_and_raises_explained_variance(out_dir, tmp_path):
     import torch
 
-    import task
+    from support import task
     from critic import load_value_model
-    from data import encode_prompt
+    from support.data import encode_prompt
     from rollout import HFRollout
     from sampling import Sampler
     from value_pretrain import pretrain_value
@@ -263,9 +263,9 @@ def test_value_pretraining_lowers_value_loss_and_raises_explained_variance(out_d
 def test_value_pretraining_killed_mid_way_resumes_to_the_same_curve(out_dir, tmp_path):
     import torch
 
-    import task
+    from support import task
     from critic import load_value_model
-    from data import encode_prompt
+    from support.data import encode_prompt
     from rollout import HFRollout
     from sampling import Sampler
     from value_pretrain import pretrain_value
@@ -338,7 +338,7 @@ def test_batch_must_split_evenly_over_ranks_and_mini_batches(monkeypatch):
 def test_a_run_directory_or_cache_made_with_other_settings_is_not_reused(tmp_path):
     """Rerunning or resuming a run name, or reusing the cached pi_SFT or ORM, with settings that
     change the experiment stops at start; the length of the run may change."""
-    from sft import SFTConfig, prepare_sft, sft_settings
+    from support.sft import SFTConfig, prepare_sft, sft_settings
 
     cfg = micro_config(tmp_path, "--run-name", "r")
     assert rundir.prepare(cfg) == str(tmp_path / "r")
@@ -438,7 +438,7 @@ def test_a_stage_two_runs_build_at_once_keeps_the_first_and_a_broken_link_is_nam
 def test_each_gpu_preset_fits_its_target_hardware_by_plan(preset, world_size, params, tmp_path, capsys):
     """--plan sizes a preset's own target (memory_plan.TARGETS) and its model's shape, read from a
     config.json alone (no weights): here one written locally in Qwen2.5's shape."""
-    import memory_plan
+    from support import memory_plan
     from transformers import Qwen2Config
 
     shape = memory_plan.TARGETS[preset].model

@@ -15,10 +15,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import task
+from support import task
 import train
 import value_pretrain
-from config import Config
+from support.config import Config
 from gae import gae_reference
 from ppo import response_logprobs
 from rollout import RolloutBatch, left_pad

@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from task import build_tokenizer, make_tiny_model
+from support.task import build_tokenizer, make_tiny_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Rows 0-2 go to rank 0 and rows 3-4 to rank 1; the prompts ending in "7" stop at once (see below).

@@ -26,11 +26,11 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 from common import tiny_actor, write_result
 from critic import load_value_model
 from fsdp_utils import all_reduce, close_distributed, exit_now_if_gloo, init_distributed, is_main, reduce_metrics, shard_model
-from checkpoints import CheckpointError, export_hf_checkpoint, iter_full_weights, load_checkpoint, load_pretrained, save_checkpoint
+from support.checkpoints import CheckpointError, export_hf_checkpoint, iter_full_weights, load_checkpoint, load_pretrained, save_checkpoint
 from ppo_update import masked_whiten
 from rollout import HFRollout
 import train
-from config import Config
+from support.config import Config
 
 out_dir = sys.argv[1]
 torch.set_num_threads(1)

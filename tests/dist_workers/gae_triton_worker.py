@@ -11,7 +11,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before Triton builds the kernel
 import torch  # noqa: E402
 
 import gae  # noqa: E402
-import gae_fast  # noqa: E402
+from support import gae_fast  # noqa: E402
 from common import write_result  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))

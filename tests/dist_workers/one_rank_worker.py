@@ -9,11 +9,11 @@ import sys
 import torch
 from torch.distributed.tensor import DTensor
 
-import checkpoints
+from support import checkpoints
 import fsdp_utils
 import train
 from common import PROMPTS, tiny_actor, write_result
-from config import Config
+from support.config import Config
 from ppo_update import update_model
 from rollout import HFRollout
 

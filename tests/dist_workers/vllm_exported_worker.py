@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import gae  # noqa: F401  (as in train.py: numba's llvmlite is loaded when vLLM's CPU worker starts)
 from common import write_result
-from data import encode_prompt
+from support.data import encode_prompt
 from rollout import HFRollout, VLLMRollout
 
 out_dir, path = sys.argv[1], sys.argv[2]

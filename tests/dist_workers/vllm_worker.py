@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import gae  # noqa: F401  (as in train.py: numba's llvmlite is loaded when vLLM's CPU worker starts)
 from common import PROMPTS, tiny_actor, write_result
 from fsdp_utils import init_distributed, shard_model
-from checkpoints import export_hf_checkpoint, iter_full_weights
+from support.checkpoints import export_hf_checkpoint, iter_full_weights
 from rollout import HFRollout, VLLMRollout
 
 out_dir, tp = sys.argv[1], int(sys.argv[2])

@@ -37,9 +37,9 @@ import socket
 
 from tqdm import tqdm
 
-import checkpoints
+from support import checkpoints
 import fsdp_utils
-from config import Config, ConfigError, check_settings
+from support.config import Config, ConfigError, check_settings
 
 STAGE_SETTINGS = "settings.json"  # in a cached stage's directory: what it was built with
 
@@ -250,7 +250,7 @@ def shared_path(cfg, name: str, settings: dict) -> str:
 
 def check_stage(path: str, settings: dict, remedy: str = "delete it to build it again") -> None:
     """Stop unless the cached stage at `path` records, in its settings.json, that it was built with
-    `settings`. Without that file (a directory made by hand, by `python sft.py`, or by an older
+    `settings`. Without that file (a directory made by hand, by `python -m support.sft`, or by an older
     version) it cannot be told from another experiment's, so it is refused, never taken as it is."""
     saved = os.path.join(path, STAGE_SETTINGS)
     if not os.path.exists(saved):

@@ -311,7 +311,7 @@ def train_eval_split(records: list[dict], eval_fraction: float, seed: int = 0) -
 def task_difficulty(cfg) -> tuple[int, int]:
     """The range of k of the built-in task's RL and held-out problems: --task-difficulty, or its
     task length's."""
-    import task
+    from support import task
 
     return tuple(cfg.task_difficulty or task.SHAPES[cfg.task_length].difficulty)
 
@@ -321,7 +321,7 @@ def prepare_data(cfg, tokenizer) -> tuple[list[dict], list[dict]]:
     `--data`), or the built-in task (`task.py`), whose problems depend only on fixed seeds so that
     every run sees the same data."""
     if cfg.data is None:
-        import task
+        from support import task
 
         records, width = {}, task.SHAPES[cfg.task_length].width
         for split, n, seed in (("train", cfg.task_train_size, 1), ("eval", cfg.task_eval_size, 2)):

@@ -228,7 +228,7 @@ class Config:
         """(valid, what valid is) for --task-difficulty: a range within what pi_SFT was trained on."""
         if self.task_difficulty is None:
             return True, ""
-        import task  # only here: it loads transformers
+        from support import task  # only here: it loads transformers
 
         lo, hi = task.SHAPES[self.task_length].sft_difficulty
         low, high = self.task_difficulty
@@ -383,7 +383,7 @@ def _importable(module: str) -> bool:
 
 def _names_files(spec: str) -> bool:
     """Whether a --data / --val-data value names at least one file (data.data_files)."""
-    import data
+    from support import data
 
     try:
         return bool(data.data_files(spec))
@@ -419,7 +419,7 @@ def launch_world_size(cfg: Config) -> int:
     """The world size this command was launched with, read before any process group exists:
     torchrun's WORLD_SIZE; one process without torchrun, except that --plan then sizes the preset's
     target hardware (memory_plan.TARGETS: 16 GPUs for the paper's and the CPU presets)."""
-    import memory_plan
+    from support import memory_plan
 
     return int(os.environ.get("WORLD_SIZE", memory_plan.target(cfg.preset).gpus if cfg.plan else 1))
 

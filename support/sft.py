@@ -6,8 +6,8 @@ then writes a Hugging Face checkpoint (model + tokenizer) that `train.py` loads 
 (`prepare_sft`, its SFT stage, trains it once and caches it). Its settings go in with it
 (settings.json), and train.py reuses a cached pi_SFT only if they are the ones it asks for.
 
-    python sft.py --out-dir runs/_shared/sft            # ~3 min on 2 CPU cores, then a report
-    python sft.py --steps 40 --eval-problems 32 --out-dir runs/sft-smoke   # smoke run
+    python -m support.sft --out-dir runs/_shared/sft    # ~3 min on 2 CPU cores, then a report
+    python -m support.sft --steps 40 --eval-problems 32 --out-dir runs/sft-smoke   # smoke run
 
 The report samples held-out problems at temperature 1 and gives accuracy and length by
 difficulty, the share and accuracy of each strategy, and per-line accuracy of the arithmetic.
@@ -28,10 +28,10 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-import task
+from support import task
 from fsdp_utils import is_main
 from rollout import HFRollout, decode_responses
-from rundir import STAGE_SETTINGS, build_once, write_json
+from support.rundir import STAGE_SETTINGS, build_once, write_json
 from reward import Grader
 
 
@@ -166,7 +166,7 @@ def train_sft(cfg: SFTConfig, model=None, tokenizer=None) -> dict:
         "parameters": sum(p.numel() for p in model.parameters()), "config": asdict(cfg),
     }
     # Written last, as in any cached stage (rundir.build_once): train.py reuses a pi_SFT that
-    # `python sft.py` wrote only if these are the settings it asks for.
+    # `python -m support.sft` wrote only if these are the settings it asks for.
     write_json(str(out / STAGE_SETTINGS), sft_settings(cfg))
     print(f"SFT: {cfg.steps} steps, {tokens} tokens in {seconds:.0f} s; loss {summary['first_loss']:.3f} -> "
           f"{summary['final_loss']:.3f}; {summary['parameters']} parameters")
@@ -234,13 +234,13 @@ def check_model(path: str, weights: bool = True) -> None:
         raise ModelError(f"{where}: no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
 
 
-# What `python sft.py` may change without changing pi_SFT: where it goes, how batches are split.
+# What `python -m support.sft` may change without changing pi_SFT: where it goes, how batches are split.
 SFT_MAY_CHANGE = ("out_dir", "micro_batch_size")
 
 
 def sft_settings(cfg: SFTConfig) -> dict:
     """What a cached pi_SFT is checked against: every other SFTConfig field, `steps` under
-    train.py's name for it (--sft-steps). Only SFTConfig's: `python sft.py`'s report flags are not
+    train.py's name for it (--sft-steps). Only SFTConfig's: `python -m support.sft`'s report flags are not
     part of the model it writes."""
     return {("sft_steps" if f.name == "steps" else f.name): getattr(cfg, f.name) for f in fields(SFTConfig)
             if f.name not in SFT_MAY_CHANGE}

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from masked import check_masked_inputs
+from support.masked import check_masked_inputs
 
 # numba's default OpenMP layer shares torch's libgomp, and its first parallel call sets the process's
 # OpenMP thread count to every core (omp_set_num_threads): every later torch op then ran on that many
@@ -126,7 +126,7 @@ def _lambda_returns_loop(rewards, values, mask, gamma, lam_actor, lam_critic, ad
 def triton_kernel():
     """The gae_triton module, or None without Triton (CPU builds of torch do not bring it)."""
     try:
-        import gae_triton
+        from support import gae_triton
     except ImportError:
         return None
     return gae_triton

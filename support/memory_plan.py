@@ -13,8 +13,8 @@ rows, so only a small read buffer per rank; one process reads the whole model), 
 export holds one file's bucket on rank 0). The processes' own memory (libraries, CUDA context) is
 not counted.
 
-    python memory_plan.py                       # Qwen2.5-32B actor + critic, 2 x 8 x H200
-    python memory_plan.py --world-size 8 --micro-batch-tokens 36864
+    python -m support.memory_plan               # Qwen2.5-32B actor + critic, 2 x 8 x H200
+    python -m support.memory_plan --world-size 8 --micro-batch-tokens 36864
 """
 
 from __future__ import annotations
