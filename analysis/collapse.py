@@ -330,8 +330,8 @@ def markdown(m: dict, runs: dict[str, list[ablation.Run]]) -> str:
     walls = [r["wall_s"] for rows in m["runs"].values() for r in rows if r["wall_s"] is not None]
     lines += ["", "Goal checks:", "", *[f"- {g}" for g in m["goals"]], ""]
     if walls:
-        lines.append(f"train.py time per run: median {np.median(walls):.0f} s, {min(walls):.0f}-{max(walls):.0f} s "
-                     f"over {len(walls)} runs (two at a time on two cores).")
+        lines.append(f"train.py wall time per run, as each ran (`--jobs` at a time, beside whatever else the machine "
+                     f"ran): median {np.median(walls):.0f} s, {min(walls):.0f}-{max(walls):.0f} s over {len(walls)} runs.")
     lines += ["", "Runs: " + ", ".join(str(r.dir) for rs in runs.values() for r in rs if r.done), "", summary_line(m), ""]
     return "\n".join(lines)
 
@@ -352,7 +352,7 @@ def main(args: Args, train_flags: list[str]) -> dict:
     (args.out / "collapse.json").write_text(json.dumps(m, indent=1))
     print((args.out / "collapse.md").read_text())
     for run_dir in missing:
-        print(f"not finished, left out: {run_dir}")
+        print(f"left out (not finished or not started): {run_dir}")
     if wall:
         print(f"ran the missing runs in {wall:.0f} s of wall time")
     print(f"wrote {args.out}/collapse.png, collapse.md and collapse.json")

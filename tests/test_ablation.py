@@ -84,6 +84,10 @@ def test_micro_grid_runs_train_py_and_reuses_finished_runs(tmp_path):
         run = tmp_path / f"ablation__{variant}__seed0"
         assert json.loads((run / "ablation_run.json").read_text())["returncode"] == 0, (run / "train.log").read_text()
         assert agg["curves"][variant]["reward/accuracy"].shape == (1, 2)
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        assert agg["curves"][variant]["reward/accuracy"].tolist() == [[r["reward/accuracy"] for r in rows]]
+        final = json.loads((run / "summary.json").read_text())["ppo"]
+        assert agg["table"][variant]["pass@1"][0] == final["pass@1"]  # one seed: its own number
     assert (tmp_path / "_shared" / "orm").is_dir()  # the first run built the ORM the ppo variant needs
     stamp = (tmp_path / "ablation__ppo__seed0" / "summary.json").stat().st_mtime
     again = ablation.main(args, flags)  # everything finished: read, not rerun

@@ -69,13 +69,15 @@ def test_bins_cover_every_valid_token_position(bias):
     assert (result.tokens > 0).all()  # the longest response passes through every bin
 
 
-def test_every_critic_and_lambda_has_a_curve_and_a_correlation_in_minus_one_one(bias):
-    result, _ = bias
+def test_every_critic_and_lambda_has_a_curve_and_the_saved_correlations(bias):
+    result, out = bias
     assert not result.skipped
+    saved = json.loads((out / "advantage_bias.json").read_text())["pearson"]
     for name in advantage_bias.CRITICS:
         assert set(result.advantages[name]) == {0.95, 1.0}
-        for lam, r in result.pearson[name].items():
-            assert -1.0 <= r <= 1.0, (name, lam)
+        assert saved[name] == pytest.approx({str(lam): r for lam, r in result.pearson[name].items()})
+        # Token-level correlations with position differ between lambdas: the sums behind them do.
+        assert result.pearson[name][0.95] != result.pearson[name][1.0]
     assert not np.allclose(result.values["orm"], result.values["pretrained"])
 
 
@@ -187,7 +189,9 @@ def test_box_alignment_reads_the_values_around_the_final_box():
 def test_orm_quality_and_first_quarter_are_reported(bias):
     result, out = bias
     q = result.orm_quality["all"]
-    assert q["responses"] == 6 and 0.5 <= q["base_rate"] <= 1.0 and 0.0 <= q["sign_accuracy"] <= 1.0
+    share_correct = q["correct"] / q["responses"]
+    assert q["responses"] == 6 and q["base_rate"] == pytest.approx(max(share_correct, 1 - share_correct))
+    assert q["correct"] == round(result.rollout["accuracy"] * 6)  # the ORM is judged on these rollouts' verdicts
     assert set(result.first_quarter) == set(advantage_bias.CRITICS)
     md = (out / "advantage_bias.md").read_text()
     assert "base rate" in md and "first quarter" in md

@@ -114,7 +114,7 @@ def test_read_only_leaves_out_what_did_not_finish_and_stops_when_nothing_did(tmp
     fake_run(runs["vc-ppo"][1], [600, 600], [0.2, 0.2], error=0.0, final=0.3)
     m = collapse.main(args, [])
     out = capsys.readouterr().out
-    assert f"not finished, left out: {runs['vc-ppo'][0].dir}" in out
+    assert f"left out (not finished or not started): {runs['vc-ppo'][0].dir}" in out
     assert [r["seed"] for r in m["runs"]["vc-ppo"]] == [1] and m["seeds"] == [0, 1]
     assert out.strip().splitlines()[-1].startswith("collapse offset=-2 ppo_length_ratio=0.688 vcppo_length_ratio=1.000")
 

@@ -8,6 +8,7 @@ updates, GRPO, value pretraining, the outcome reward model and evaluation.
 
 import copy
 import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -21,7 +22,7 @@ import train  # noqa: E402
 from common import PROMPTS, tiny_actor  # noqa: E402
 from support.data import prepare_data  # noqa: E402
 from evaluate import evaluate  # noqa: E402
-from critic import load_value_model, prepare_orm  # noqa: E402  # noqa: E402
+from critic import ORM_HELDOUT_BATCHES, load_value_model, prepare_orm  # noqa: E402
 from rollout import HFRollout, RolloutBatch  # noqa: E402
 from sampling import Sampler  # noqa: E402
 from second_device import DEVICE, second_device  # noqa: E402
@@ -102,6 +103,7 @@ def test_value_pretraining_orm_and_evaluation_run_with_their_models_on_another_d
     sft_path = str(tmp_path / "sft")
     actor.save_pretrained(sft_path)
     tokenizer.save_pretrained(sft_path)
+    on_cpu = evaluate(Sampler(cfg, HFRollout(copy.deepcopy(actor), tokenizer), tokenizer, grader), eval_records, "cpu")
     with second_device():
         sampler = Sampler(cfg, HFRollout(actor.to(DEVICE), tokenizer), tokenizer, grader)
         critic = value_model_like(actor).to(DEVICE)
@@ -109,5 +111,9 @@ def test_value_pretraining_orm_and_evaluation_run_with_their_models_on_another_d
         history = pretrain_value(cfg, critic, optimizer, sampler, records, str(tmp_path / "vp"))
         assert len(history) == 1
         orm_cfg = dataclasses.replace(cfg, critic_init="rm", out_dir=str(tmp_path), orm_batches=1, orm_steps=2)
-        assert load_value_model(prepare_orm(orm_cfg, sft_path, sampler, records))
-        assert 0.0 <= evaluate(sampler, eval_records, "test")["pass@1"] <= 1.0
+        orm_dir = Path(prepare_orm(orm_cfg, sft_path, sampler, records))
+        on_device = evaluate(sampler, eval_records, "test")
+    assert load_value_model(str(orm_dir)).score.bias.item() != 0.0  # trained: a fresh head's bias is 0
+    held_out = json.loads((orm_dir / "quality.json").read_text())["all"]  # ORM_HELDOUT_BATCHES fresh batches
+    assert held_out["responses"] == ORM_HELDOUT_BATCHES * cfg.prompts_per_step * cfg.samples_per_prompt
+    assert on_device == on_cpu  # the same draws and verdicts: the device moved the tensors, nothing else

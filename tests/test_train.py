@@ -81,6 +81,33 @@ def test_micro_pipeline_runs_every_stage_and_logs_every_step(out_dir, micro_run)
     assert 0.0 <= summary["ppo"]["pass@1"] <= summary["ppo"]["pass@2"] <= 1.0
 
 
+def test_the_first_steps_numbers_are_recomputed_from_what_the_run_saved(out_dir, sft, micro_run):
+    """Step 0 samples from pi_SFT with its own seed, and its critic is the value-pretrained one the run
+    saved: drawing the same prompts and samples again gives the logged accuracy, length and mean value."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from critic import load_value_model, response_values
+    from support.masked import masked_mean
+    from reward import Grader
+    from rollout import HFRollout
+    from sampling import Sampler
+    from support.data import prepare_data, sample_prompts, stream_seed
+
+    _, run_dir = micro_run
+    cfg = micro_config(out_dir, "--run-name", "micro", "--steps", "2", "--value-pretrain-steps", "2",
+                       "--critic-init", "rm")
+    tokenizer, actor = AutoTokenizer.from_pretrained(sft), AutoModelForCausalLM.from_pretrained(sft)
+    records, _ = prepare_data(cfg, tokenizer)
+    with Grader(num_workers=1) as grader:
+        scored = Sampler(cfg, HFRollout(actor, tokenizer), tokenizer, grader).sample_and_score(
+            sample_prompts(records, cfg, 0, stream="ppo"), seed=stream_seed(cfg.seed, "ppo/sampling", 0))
+    values = response_values(load_value_model(str(run_dir / "value_pretrain" / "critic")), scored.batch)
+    row = read_metrics(run_dir)[0]
+    assert row["reward/accuracy"] == (scored.outcomes > 0).float().mean().item()
+    assert row["response_length/mean"] == scored.batch.lengths.float().mean().item()
+    assert row["critic/values_mean"] == pytest.approx(masked_mean(values, scored.batch.response_mask).item(), abs=1e-5)
+
+
 def test_critic_from_orm_and_from_sft_differ_only_in_the_head_source(out_dir, sft, micro_run):
     from critic import load_value_model
 
