@@ -26,7 +26,7 @@ accuracy ratio (lowest 5-step moving average of training accuracy over pi_SFT's 
 the recovery (steps from the trough of that moving average back to 0.9 of the first step's
 length); Fig. 2 from the same runs (each critic's mean advantage over each quarter of the first
 batch's responses, before whitening); and held-out pass@1 after PPO. With several seeds, mean ±
-std. It writes collapse.png (length and training accuracy by step, the dose-response, Fig. 2),
+std. It writes collapse.png (length, training accuracy and the critic's error by step, the dose-response, Fig. 2),
 collapse.md and collapse.json to --out, and prints as its last line
 
     collapse offset=<C> ppo_length_ratio=<x> vcppo_length_ratio=<y> ppo_acc_ratio=<p> vcppo_acc_ratio=<q> ppo_final_acc=<a> vcppo_final_acc=<b> sft_acc=<c>
@@ -55,6 +55,7 @@ from support.config import parse_config
 OFFSETS = (-3.0, -2.0, -1.0, 0.0, 1.0)  # the dose-response
 WINDOW = 5  # steps of the moving averages
 RECOVERED = 0.9  # share of the first step's length that counts as recovered
+CALIBRATED = 0.2  # |mean V(s_t) - G_t| at or below which the critic counts as calibrated
 PLAIN = ["--critic-init", "sft", "--value-pretrain-steps", "0", "--lam-critic", "0.95"]
 ARMS = ("ppo", "decoupled-gae", "value-pretrain", "vc-ppo", "grpo", "ppo-orm", "ppo-bt", "dose")
 FAMILY = ("ppo", "decoupled-gae", "value-pretrain", "vc-ppo", "grpo")  # the first two panels
@@ -149,6 +150,11 @@ def recovery_steps(lengths: list[float], window: int = WINDOW) -> int | None:
     return int(back[0]) if len(back) else None
 
 
+def calibration_steps(errors: list) -> int | None:
+    """The first step whose batch has |mean V(s_t) - G_t| <= CALIBRATED (None: never; no critic)."""
+    return next((step for step, e in enumerate(errors) if e is not None and abs(e) <= CALIBRATED), None)
+
+
 def measure_run(loaded: dict) -> dict:
     rows, summary = loaded["metrics"], loaded["summary"]
     lengths, accuracy = [r["response_length/mean"] for r in rows], [r["reward/accuracy"] for r in rows]
@@ -164,8 +170,10 @@ def measure_run(loaded: dict) -> dict:
         # pi_SFT's held-out pass@1 is the level the policy starts at (training accuracy is noisier)
         "acc_ratio": float(moving_average(accuracy).min() / sft_acc) if sft_acc > 0 else float("nan"),
         "recovery_steps": recovery_steps(lengths),
+        "calibration_steps": calibration_steps([r.get("critic/value_error/all") for r in rows]),
         "final_acc": summary["ppo"]["pass@1"], "sft_acc": sft_acc,
-        "curves": {"response_length/mean": lengths, "reward/accuracy": accuracy},
+        "curves": {"response_length/mean": lengths, "reward/accuracy": accuracy,
+                   "critic/value_error/all": [r.get("critic/value_error/all") for r in rows]},
     }
 
 
@@ -244,11 +252,14 @@ def label(m: dict, arm: str) -> str:
 
 
 def plot(m: dict, path: Path) -> None:
-    fig, axes = plt.subplots(1, 4, figsize=(22, 4.6))
+    fig, grid = plt.subplots(2, 3, figsize=(18, 9.5))
+    axes = grid.flatten()
+    axes[5].axis("off")
     for ax, key, name in ((axes[0], "response_length/mean", "batch-mean response length"),
-                          (axes[1], "reward/accuracy", "training accuracy")):
-        for arm in (a for a in FAMILY if a in m["runs"]):
-            y = np.array([r["curves"][key] for r in m["runs"][arm]], dtype=float)
+                          (axes[1], "reward/accuracy", "training accuracy"),
+                          (axes[2], "critic/value_error/all", "critic's error: mean V(s_t) - G_t")):
+        for arm in (a for a in FAMILY if a in m["runs"] and not (key.startswith("critic/") and a == "grpo")):
+            y = np.array([r["curves"][key] for r in m["runs"][arm]], dtype=float)  # None (no critic) -> NaN
             (line,) = ax.plot(y.mean(0), label=f"{label(m, arm)} (n={len(y)})")
             if len(y) > 1:
                 std = y.std(0, ddof=1)
@@ -259,7 +270,8 @@ def plot(m: dict, path: Path) -> None:
     axes[1].axhline(m["sft_acc"], color="grey", ls=":", label="pi_SFT held-out pass@1")
     axes[0].legend(fontsize=7)
     axes[1].legend(fontsize=7)
-    ax = axes[2]  # the dose-response: one point per arm and seed
+    axes[2].axhline(0, color="black", lw=0.5)
+    ax = axes[3]  # the dose-response: one point per arm and seed
     for arm, rows in m["runs"].items():
         if arm == "grpo":
             ax.axhline(stat([r["length_ratio"] for r in rows])[0], color="grey", ls="--", label="grpo (no critic)")
@@ -269,7 +281,7 @@ def plot(m: dict, path: Path) -> None:
     ax.set(xlabel="measured initial error: mean V(s_t) - G_t, step 0", ylabel="length ratio (lowest 5-step mean / first)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=6)
-    ax = axes[3]  # Fig. 2 from the same runs
+    ax = axes[4]  # Fig. 2 from the same runs
     for arm in (a for a in FIG2 if a in m["runs"]):
         q = np.array([r["first_step_advantage_by_quarter"] for r in m["runs"][arm]], dtype=float)
         ax.errorbar(np.arange(4) + 1, q.mean(0), yerr=q.std(0, ddof=1) if len(q) > 1 else None, marker="o",
@@ -294,27 +306,29 @@ def markdown(m: dict, runs: dict[str, list[ablation.Run]]) -> str:
         text = f"{mean:+.{digits}f}" if signed else f"{mean:.{digits}f}"
         return text + (f" ± {std:.{digits}f}" if np.isfinite(std) else "")
 
-    def recovery(arm):
-        steps = [r["recovery_steps"] for r in m["runs"][arm]]
-        return ", ".join("-" if s is None else str(s) for s in steps)
+    def per_seed(arm, key):
+        return ", ".join("-" if r[key] is None else str(r[key]) for r in m["runs"][arm])
 
     lines = ["# Fig. 1 by intervention on the built-in task: the critic's initial error set by hand", "",
              f"Seeds {m['seeds']}, mean ± std over seeds. Initial error: mean V(s_t) - G_t over the first batch's "
              f"tokens (all / first quarter). Advantage at step 0: mean (before whitening) over the last token "
              f"and over the others. Length ratio: lowest {WINDOW}-step mean of the batch-mean length over the first "
              f"step's; accuracy ratio: lowest {WINDOW}-step mean of training accuracy over pi_SFT's held-out pass@1 "
-             f"({m['sft_acc']:.3f}). Recovery: steps from the trough back to {RECOVERED} of the first length, per "
-             f"seed (0: never fell below it; -: not within the run).", "",
+             f"({m['sft_acc']:.3f}). Calibrated: the first step whose |mean V(s_t) - G_t| <= {CALIBRATED}, per seed. "
+             f"Recovery: steps from the trough back to {RECOVERED} of the first length, per seed (0: never fell below "
+             f"it; -: not within the run).", "",
              "| arm | seeds | initial error (all) | (first quarter) | step-0 advantage, last token | (other tokens) "
-             "| length ratio | accuracy ratio | recovery (steps) | final pass@1 |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| calibrated at step | length ratio | accuracy ratio | recovery (steps) | final pass@1 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     order = sorted(m["runs"], key=lambda a: (a.startswith("ppo-offset"), m["offsets"].get(a) or 0))
     for arm in order:
         seeds = ",".join(str(r["seed"]) for r in m["runs"][arm])
         lines.append(f"| {label(m, arm)} | {seeds} | {pm(arm, 'initial_error', signed=True)} | "
                      f"{pm(arm, 'initial_error_first_quarter', signed=True)} | "
                      f"{pm(arm, 'first_step_advantage_last_token', signed=True)} | "
-                     f"{pm(arm, 'first_step_advantage_other_tokens', signed=True)} | {pm(arm, 'length_ratio')} | "
-                     f"{pm(arm, 'acc_ratio')} | {recovery(arm)} | {pm(arm, 'final_acc')} |")
+                     f"{pm(arm, 'first_step_advantage_other_tokens', signed=True)} | {per_seed(arm, 'calibration_steps')} | "
+                     f"{pm(arm, 'length_ratio')} | {pm(arm, 'acc_ratio')} | {per_seed(arm, 'recovery_steps')} | "
+                     f"{pm(arm, 'final_acc')} |")
     lines += ["", "Fig. 2 from the same runs: mean advantage (lambda 0.95, before whitening) over each quarter of the "
               "first batch's responses, early to late:", "", "| arm | 1st | 2nd | 3rd | 4th |", "|---|---|---|---|---|"]
     for arm in (a for a in FIG2 if a in m["runs"]):

@@ -35,8 +35,11 @@ def test_length_ratio_and_recovery_read_the_moving_average():
         collapse.length_ratio([])
 
 
-def test_recovery_counts_steps_from_the_trough():
+def test_recovery_counts_steps_from_the_trough_and_calibration_the_first_small_error():
     assert collapse.recovery_steps([100, 40, 100, 100, 100, 100, 100]) == 2  # moving averages 88, 88, 100
+    assert collapse.calibration_steps([-1.4, -0.9, -0.3, -0.19, 0.5]) == 3
+    assert collapse.calibration_steps([0.1, -1.0]) == 0 and collapse.calibration_steps([None, None]) is None
+    assert collapse.calibration_steps([-1.4, -0.9]) is None
 
 
 def test_the_arms_carry_their_offset_in_flags_and_run_name_and_dose_adds_the_other_offsets(tmp_path):
@@ -97,8 +100,8 @@ def test_reads_the_runs_checks_the_goals_and_prints_the_summary_line_last(tmp_pa
     assert m["goals"][2].startswith("seed 0: length ratio by offset -3 -2 -1 +0 +1: 0.17 0.47 0.83 1.00 1.03 (rises")
     assert "0.83 0.67 1.03 (does NOT rise" in m["goals"][3]
     md = (tmp_path / "out" / "collapse.md").read_text()
-    assert "| ppo (offset -2) | 0,1 | -1.400 ± 0.000 | -1.500 ± 0.000 | +1.000 ± 0.000 | +0.200 ± 0.000 | 0.467 ± 0.000 " in md
-    assert "| grpo | 0,1 | - | - | - | - | 1.057 ± 0.000 |" in md
+    assert "| ppo (offset -2) | 0,1 | -1.400 ± 0.000 | -1.500 ± 0.000 | +1.000 ± 0.000 | +0.200 ± 0.000 | -, - | 0.467 ± 0.000 " in md
+    assert "| grpo | 0,1 | - | - | - | - | -, - | 1.057 ± 0.000 |" in md
     assert math.isclose(json.loads((tmp_path / "out" / "collapse.json").read_text())["sft_acc"], 0.25)
     assert (tmp_path / "out" / "collapse.png").stat().st_size > 0
 
