@@ -57,7 +57,7 @@ def assert_same_metrics(a, b):
     assert [r["step"] for r in a] == [r["step"] for r in b]
     for ra, rb in zip(a, b):
         for key, value in ra.items():
-            if not key.startswith(("time/", "perf/")):
+            if not key.startswith(("timing_s/", "perf/")):
                 expected = value if value is None else pytest.approx(value, rel=1e-5, abs=1e-6)
                 assert rb[key] == expected, (ra["step"], key)
 
