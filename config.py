@@ -132,8 +132,8 @@ class Config:
     """reward of a response cut at max_new_tokens (terminal either way); None: graded like the others"""
 
     # --- rollout
-    rollout: Literal["hf", "vllm"] = "hf"
-    """generation backend"""
+    rollout: Literal["hf", "hf-fast", "vllm"] = "hf"
+    """generation backend: HF `generate`, the same model through fast_rollout.py's decode loop, or vLLM"""
     max_new_tokens: int = 400
     """response length limit"""
     temperature: float = 1.0

@@ -32,6 +32,7 @@ from config import Config, ConfigError, launch_world_size, parse_config
 from critic import check_orm, critic_loss, load_value_model, prepare_orm, response_values
 from data import DataError, prepare_data, sample_prompts, stream_seed
 from evaluate import evaluate, evaluate_once
+from fast_rollout import FastHFRollout
 from gae import compute_gae, decoupled_gae, grpo_advantages, length_adaptive_lambda
 from ppo import aggregate_loss, assert_finite, check_masked_inputs, entropy_from_logits, explained_variance
 from ppo import kl_penalty, masked_mean, masked_whiten, micro_batched_forward, policy_loss, response_logprobs
@@ -241,9 +242,11 @@ def load_critic(cfg, path: str, dist_info):
 
 
 def build_engine(cfg, actor, path: str, tokenizer):
-    """The rollout backend: HF `generate` on the actor itself, or a colocated vLLM engine."""
+    """The rollout backend: HF `generate` or the fast decode loop on the actor itself, or a colocated vLLM engine."""
     if cfg.rollout == "hf":
         return HFRollout(actor, tokenizer)
+    if cfg.rollout == "hf-fast":
+        return FastHFRollout(actor, tokenizer)
     return VLLMRollout(path, tokenizer, tensor_parallel_size=cfg.tensor_parallel_size,
                        max_model_len=cfg.max_prompt_tokens + cfg.max_new_tokens,
                        gpu_memory_utilization=cfg.gpu_memory_utilization, seed=cfg.seed)
