@@ -15,8 +15,10 @@ logits are the model's) and replaces those three through transformers' extension
 - the padding masks are built once per rollout and passed as the model's per-layer-type mask
   mapping (the form `generate` uses), so no step rebuilds them.
 Sampling is `generate`'s: temperature, then top-p (as `TopPLogitsWarper`), then a multinomial
-draw; temperature 0 is greedy. It draws from its own generator seeded with seed + rank, so the same
-seed gives the same batch and the global RNG is left alone. Log-probs, finish reasons and the
+draw; temperature 0 is greedy. It draws from its own generator seeded with the seed, so the same
+seed gives the same batch and the global RNG is left alone. One process only: under torchrun the
+ranks' rows would stop at different steps, calling FSDP's collectives out of step (`HFRollout`'s
+`generate` keeps them in step), so config.py refuses hf-fast there. Log-probs, finish reasons and the
 `RolloutBatch` layout are `HFRollout`'s (rollout.py).
 """
 
@@ -29,7 +31,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from fsdp_utils import rank
+from fsdp_utils import world_size
 from rollout import HFRollout, RolloutBatch, left_pad, probabilities_checked
 
 ATTENTION = "vcppo_gqa_sdpa"
@@ -194,10 +196,12 @@ class FastHFRollout(HFRollout):
         ids, mask = (x.to(device) for x in left_pad(prompt_ids, self.pad_id))
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if world_size() > 1:  # ranks stopping at different steps would call FSDP's all-gathers out of step
+            raise RuntimeError("FastHFRollout decodes in one process; under torchrun use HFRollout")
+        # A seed makes the rollout a function of (seed, weights, prompts): resumed runs replay exactly.
+        # Without one, torch's RNG picks it (so torch.manual_seed still makes runs repeatable).
         generator = torch.Generator(device)
-        # A seed makes the rollout a function of (seed, weights, prompts): resumed runs replay exactly;
-        # under torchrun each rank draws from its own stream. Without one, torch's RNG picks it.
-        generator.manual_seed((int(torch.randint(0, 2**62, ())) if seed is None else seed) + rank())
+        generator.manual_seed(int(torch.randint(0, 2**62, ())) if seed is None else seed)
         B = len(ids)
         response = torch.full((B, max_new_tokens), self.pad_id, dtype=torch.long, device=device)
         logprobs = torch.zeros(B, max_new_tokens, device=device)

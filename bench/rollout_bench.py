@@ -10,7 +10,8 @@ Face `generate` (`HFRollout`) and vLLM (`VLLMRollout`), in one run.
 Random weights end a response at a random EOS within tens of tokens; --checkpoint times a trained
 pi_SFT instead (the long task's: responses of ~500 tokens), on its task's prompts. --no-eos times
 a fixed length: the engines are told an EOS id outside the vocabulary, so every row runs all
---new-tokens (the model's own EOS is then just another token); for timing only.
+--new-tokens (the model's own EOS is then just another token); for timing only, and for the
+Hugging Face backends only (vLLM refuses such a stop id).
 
 The two Hugging Face backends share one child process and take turns, call by call, on the same
 model and prompts, so that their ratio is measured under the same load (on a shared machine the
@@ -176,6 +177,8 @@ def main() -> None:
     p.add_argument("--backend", help=argparse.SUPPRESS)  # child mode: comma-separated backends
     p.add_argument("--model", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.no_eos and "vllm" in args.backends and not args.backend:
+        p.error("--no-eos times the Hugging Face backends only (vLLM refuses a stop id outside the vocabulary)")
     if args.backend:
         print(json.dumps(measure(args)))
         return
