@@ -74,12 +74,13 @@ class PreallocatedLayer(CacheLayerMixin):
         return self.keys[: self.rows, :, :end], self.values[: self.rows, :, :end]
 
     def keep(self, index: torch.Tensor) -> None:
-        """Keep rows `index` (in order) as the first rows; the buffers are reused, only the K/V
-        written so far moves."""
-        n = len(index)
-        self.keys[:n, :, : self.length] = self.keys[index, :, : self.length]
-        self.values[:n, :, : self.length] = self.values[index, :, : self.length]
-        self.rows = n
+        """Keep rows `index` (in order) as the first rows; the buffers are reused, and only the rows
+        that change place move (the K/V written so far)."""
+        moved = (index != torch.arange(len(index), device=index.device)).nonzero().squeeze(1)
+        if len(moved):
+            self.keys[moved, :, : self.length] = self.keys[index[moved], :, : self.length]
+            self.values[moved, :, : self.length] = self.values[index[moved], :, : self.length]
+        self.rows = len(index)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.length + query_length, 0
@@ -222,6 +223,10 @@ class FastHFRollout(HFRollout):
                 going = (~stopped).nonzero().squeeze(1)
                 if len(going) == 0:
                     break
+                # The rows left fill the places of those that stopped from the end: the fewest move.
+                order, n = torch.arange(len(stopped), device=device), len(going)
+                order[stopped[:n].nonzero().squeeze(1)] = going[going >= n]
+                going = order[:n]
                 rows, tokens = rows[going], tokens[going]
                 decoder.keep(going)
             logits = decoder.step(tokens)

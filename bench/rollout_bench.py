@@ -18,7 +18,9 @@ model and prompts, so that their ratio is measured under the same load (on a sha
 absolute numbers move, the ratio much less); vLLM runs in a child of its own (it changes process-wide
 thread settings). Sampling is at temperature 1. Tokens/s counts generated tokens (EOS included)
 over the wall time of one `generate` call, median of --repeats calls after one warm-up call;
-engine start-up is reported separately. --profile adds, for each Hugging Face backend, the torch
+engine start-up is reported separately. "cpu s" is the CPU time the process spent in the call
+(median): on a machine shared with other work it is much less than the wall time, and closer to
+what the call takes alone. --profile adds, for each Hugging Face backend, the torch
 operators that took the most of one more call's time.
 
 The floor. A call's work is counted from the model's shape and the responses it produced: per row,
@@ -134,19 +136,21 @@ def measure(args) -> list[dict]:
 
             engines[backend] = FastHFRollout(model, stops)
         startup[backend] = time.perf_counter() - start
-    times, batches = {b: [] for b in engines}, {}
+    times, cpu_times, batches = {b: [] for b in engines}, {b: [] for b in engines}, {}
     for i in range(args.repeats + 1):
         for backend, engine in engines.items():  # in turns: the same load for each
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             batches[backend] = engine.generate(prompts, args.new_tokens, temperature=1.0, seed=i)
             if i:  # the first call warms caches and kernels
                 times[backend].append(time.perf_counter() - start)
+                cpu_times[backend].append(time.process_time() - cpu_start)
     rate = matmul_flops_per_s(model.config, args.prompts)
     out = []
     for backend, engine in engines.items():
         seconds, batch = statistics.median(times[backend]), batches[backend]
         floor = call_flops(model.config, [len(p) for p in prompts], batch.lengths.tolist()) / rate
         r = {"backend": backend, "model": args.model, "startup_s": startup[backend], "generate_s": seconds,
+             "cpu_s": statistics.median(cpu_times[backend]),
              "tokens": int(batch.lengths.sum()), "tokens_per_s": int(batch.lengths.sum()) / seconds,
              "floor_s": floor, "matmul_gflops": rate / 1e9,
              "params_m": sum(p.numel() for p in model.parameters()) / 1e6}
@@ -185,8 +189,8 @@ def main() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "CUDA_VISIBLE_DEVICES": ""}
     print(f"{args.prompts} prompts x up to {args.new_tokens} new tokens{' (EOS disabled)' * args.no_eos}, "
           f"temperature 1, {args.threads} threads, median of {args.repeats}")
-    print(f"{'model':<6}{'params':>8}{'backend':>9}{'start s':>9}{'gen s':>8}{'tokens':>8}{'tok/s':>9}{'x hf':>7}"
-          f"{'floor s':>9}")
+    print(f"{'model':<6}{'params':>8}{'backend':>9}{'start s':>9}{'gen s':>8}{'cpu s':>8}{'tokens':>8}{'tok/s':>9}"
+          f"{'x hf':>7}{'floor s':>9}")
     hf_group = [b for b in args.backends if b in HF_BACKENDS]
     children = [",".join(hf_group)] * bool(hf_group) + ["vllm"] * ("vllm" in args.backends)
     for model in ["ckpt"] if args.checkpoint else args.models:
@@ -204,7 +208,7 @@ def main() -> None:
                 results[r["backend"]] = r
                 ratio = f"{r['tokens_per_s'] / results['hf']['tokens_per_s']:.2f}" if "hf" in results else "-"
                 print(f"{model:<6}{r['params_m']:>7.1f}M{r['backend']:>9}{r['startup_s']:>9.1f}{r['generate_s']:>8.2f}"
-                      f"{r['tokens']:>8}{r['tokens_per_s']:>9.0f}{ratio:>7}{r['floor_s']:>9.2f}")
+                      f"{r['cpu_s']:>8.2f}{r['tokens']:>8}{r['tokens_per_s']:>9.0f}{ratio:>7}{r['floor_s']:>9.2f}")
                 for name, share, count in r.get("top_ops", []):
                     print(f"      {share:6.1%} of the call's operator time: {name} ({count} calls)")
     if {"hf", "hf-fast"} <= set(results):  # the last model's: the one line a script reads

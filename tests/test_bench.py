@@ -57,7 +57,7 @@ def test_rollout_bench_times_a_trained_checkpoint_on_its_tasks_prompts(tmp_path)
     assert done.returncode == 0, done.stderr
     *_, hf, fast, last = done.stdout.splitlines()
     params = f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M"  # the checkpoint's model, not --models'
-    assert hf.split()[:3] == ["ckpt", params, "hf"] and 1 <= int(hf.split()[5]) <= 8  # 2 responses of 1-4 tokens
+    assert hf.split()[:3] == ["ckpt", params, "hf"] and 1 <= int(hf.split()[6]) <= 8  # 2 responses of 1-4 tokens
     assert fast.split()[:3] == ["ckpt", params, "hf-fast"]
     m = re.fullmatch(r"rollout new_tokens_per_s=(\d+) hf_generate_tokens_per_s=(\d+) speedup=(\S+) floor_fraction=(\S+)", last)
     assert m and float(m[3]) == pytest.approx(int(m[1]) / int(m[2]), abs=0.02) and 0 < float(m[4]) < 1
