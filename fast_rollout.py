@@ -4,7 +4,8 @@
 arithmetic but what surrounds it (issue 31, measured in bench/rollout_bench.py):
 - the default cache grows by `torch.cat`, rewriting every layer's K/V at every step;
 - with a padding mask transformers' SDPA path does not pass `enable_gqa`, so `repeat_kv` copies
-  the K/V of a grouped-query model once more, in every layer, at every step;
+  the K/V of a grouped-query model once more, in every layer, at every step (prompts of unequal
+  lengths; the built-in task's are all of one length, its mask is dropped and SDPA gets `enable_gqa`);
 - finished rows keep running until the longest one stops.
 `FastHFRollout` keeps the model and its modules (`Decoder`: every step is `model.forward`, so its
 logits are the model's) and replaces those three through transformers' extension points:
