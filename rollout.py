@@ -186,6 +186,11 @@ class HFRollout:
         if self.eos_id is None or self.pad_id is None:
             raise ValueError("tokenizer: needs both an eos_token and a pad_token")
 
+    def padded_prompts(self, prompt_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompts left-padded, and their mask, on the model's device."""
+        device = next(self.model.parameters()).device
+        return tuple(x.to(device) for x in left_pad(prompt_ids, self.pad_id))
+
     @torch.no_grad()
     def generate(
         self,
@@ -196,8 +201,7 @@ class HFRollout:
         seed: int | None = None,
     ) -> RolloutBatch:
         """Sample one response per prompt; temperature 0 means greedy. The batch is on the model's device."""
-        device = next(self.model.parameters()).device
-        ids, mask = (x.to(device) for x in left_pad(prompt_ids, self.pad_id))
+        ids, mask = self.padded_prompts(prompt_ids)
         greedy = temperature == 0
         was_training = self.model.training
         self.model.eval()

@@ -33,7 +33,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from fsdp_utils import world_size
-from rollout import HFRollout, RolloutBatch, left_pad, probabilities_checked
+from rollout import HFRollout, RolloutBatch, probabilities_checked
 
 ATTENTION = "vcppo_gqa_sdpa"
 
@@ -194,8 +194,8 @@ class FastHFRollout(HFRollout):
     ) -> RolloutBatch:
         """Sample one response per prompt; temperature 0 means greedy. The batch is on the model's device."""
         model = self.model
-        device = next(model.parameters()).device
-        ids, mask = (x.to(device) for x in left_pad(prompt_ids, self.pad_id))
+        ids, mask = self.padded_prompts(prompt_ids)
+        device = ids.device
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if world_size() > 1:  # ranks stopping at different steps would call FSDP's all-gathers out of step
