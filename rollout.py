@@ -9,6 +9,8 @@ and return the batch on the device of the models that consume it (the trained ac
 samples with it, `VLLMRollout` runs on this rank's GPU beside it); from there on every stage builds
 its tensors on `batch.device`:
 - `HFRollout`: Hugging Face `generate`; the CPU default and the reference in tests.
+- `FastHFRollout` (fast_rollout.py): the same model through a decode loop of its own forward
+  with a preallocated cache, grouped-query SDPA and finished rows dropped; `generate`'s sampling.
 - `VLLMRollout`: vLLM colocated with training on the same ranks (torchrun), weights synced from
   the (FSDP-sharded) actor after each update, sleeping while the trainer needs the GPU memory.
 The sampling log-probs are log-softmax(logits / temperature) of the unmodified model (top-p only
@@ -164,6 +166,17 @@ def llvmlite_hidden():
             sys.modules[name] = module
 
 
+@contextlib.contextmanager
+def probabilities_checked():
+    """torch.multinomial's error on a diverged model's outputs, said as what it means."""
+    try:
+        yield
+    except RuntimeError as err:
+        if "probability tensor contains" not in str(err):
+            raise
+        raise FloatingPointError("generate: the model's next-token probabilities hold NaN or inf") from None
+
+
 class HFRollout:
     """Sampling with Hugging Face `generate` (KV cache, one process)."""
 
@@ -172,6 +185,11 @@ class HFRollout:
         self.eos_id, self.pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
         if self.eos_id is None or self.pad_id is None:
             raise ValueError("tokenizer: needs both an eos_token and a pad_token")
+
+    def padded_prompts(self, prompt_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompts left-padded, and their mask, on the model's device."""
+        device = next(self.model.parameters()).device
+        return tuple(x.to(device) for x in left_pad(prompt_ids, self.pad_id))
 
     @torch.no_grad()
     def generate(
@@ -183,8 +201,7 @@ class HFRollout:
         seed: int | None = None,
     ) -> RolloutBatch:
         """Sample one response per prompt; temperature 0 means greedy. The batch is on the model's device."""
-        device = next(self.model.parameters()).device
-        ids, mask = (x.to(device) for x in left_pad(prompt_ids, self.pad_id))
+        ids, mask = self.padded_prompts(prompt_ids)
         greedy = temperature == 0
         was_training = self.model.training
         self.model.eval()
@@ -193,7 +210,7 @@ class HFRollout:
         with torch.random.fork_rng(devices=[]):
             if seed is not None:
                 torch.manual_seed(seed + rank())
-            try:
+            with probabilities_checked():
                 out = self.model.generate(
                     input_ids=ids,
                     attention_mask=mask,
@@ -207,10 +224,6 @@ class HFRollout:
                     output_logits=True,
                     return_dict_in_generate=True,
                 )
-            except RuntimeError as err:  # torch.multinomial on a diverged model's outputs
-                if "probability tensor contains" not in str(err):
-                    raise
-                raise FloatingPointError("generate: the model's next-token probabilities hold NaN or inf") from None
         self.model.train(was_training)
         response = out.sequences[:, ids.shape[1] :]
         # Tokens up to and including the first EOS are the response; `generate` pads after it.

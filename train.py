@@ -34,6 +34,7 @@ from support.config import Config, ConfigError, launch_world_size, parse_config
 from critic import check_orm, critic_loss, load_value_model, prepare_orm, response_values
 from support.data import DataError, prepare_data, sample_prompts, stream_seed
 from evaluate import eval_sampler, evaluate, evaluate_once, val_metrics
+from support.fast_rollout import FastHFRollout
 from gae import compute_gae, decoupled_gae, grpo_advantages, length_adaptive_lambda
 from support.masked import check_masked_inputs, masked_mean
 from ppo import aggregate_loss, entropy_from_logits, explained_variance, kl_penalty, policy_loss
@@ -246,9 +247,11 @@ def load_critic(cfg, path: str, dist_info):
 
 
 def build_engine(cfg, actor, path: str, tokenizer):
-    """The rollout backend: HF `generate` on the actor itself, or a colocated vLLM engine."""
+    """The rollout backend: HF `generate` or the fast decode loop on the actor itself, or a colocated vLLM engine."""
     if cfg.rollout == "hf":
         return HFRollout(actor, tokenizer)
+    if cfg.rollout == "hf-fast":
+        return FastHFRollout(actor, tokenizer)
     return VLLMRollout(path, tokenizer, tensor_parallel_size=cfg.tensor_parallel_size,
                        max_model_len=cfg.max_prompt_tokens + max(cfg.max_new_tokens, cfg.eval_max_new_tokens or 0),
                        gpu_memory_utilization=cfg.gpu_memory_utilization, seed=cfg.seed)

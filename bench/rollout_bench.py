@@ -1,18 +1,40 @@
-"""Rollout throughput on CPU: vLLM (`VLLMRollout`) against Hugging Face `generate` (`HFRollout`).
+"""Rollout throughput on CPU: the fast HF path (`FastHFRollout`, fast_rollout.py) beside Hugging
+Face `generate` (`HFRollout`) and vLLM (`VLLMRollout`), in one run.
 
     python bench/rollout_bench.py                 # tiny (2 layers, hidden 128) and mid (8 layers, hidden 512)
     python bench/rollout_bench.py --prompts 64 --new-tokens 128 --threads 2
     python bench/rollout_bench.py --models tiny --backends hf --new-tokens 600 --profile   # where HF's time goes
     python bench/rollout_bench.py --checkpoint runs/long/_shared/sft-long --task-length long --new-tokens 600
+    python bench/rollout_bench.py --models sft --backends hf hf-fast --no-eos --new-tokens 600   # 64 x 600 exactly
 
 Random weights end a response at a random EOS within tens of tokens; --checkpoint times a trained
-pi_SFT instead (the long task's: responses of ~500 tokens), on its task's prompts.
+pi_SFT instead (the long task's: responses of ~500 tokens), on its task's prompts. --no-eos times
+a fixed length: the engines are told an EOS id outside the vocabulary, so every row runs all
+--new-tokens (the model's own EOS is then just another token); for timing only, and for the
+Hugging Face backends only (vLLM refuses such a stop id).
 
-Every (backend, model) pair runs in its own child process (vLLM changes process-wide thread
-settings), on the same randomly initialised weights and prompts, sampling at temperature 1.
-Tokens/s counts generated tokens (EOS included) over the wall time of one `generate` call,
-median of --repeats calls after one warm-up call; engine start-up is reported separately.
---profile adds, for Hugging Face, the torch operators that took the most of one more call's time.
+The two Hugging Face backends share one child process and take turns, call by call, on the same
+model and prompts, so that their ratio is measured under the same load (on a shared machine the
+absolute numbers move, the ratio much less); vLLM runs in a child of its own (it changes process-wide
+thread settings). Sampling is at temperature 1. Tokens/s counts generated tokens (EOS included)
+over the wall time of one `generate` call, median of --repeats calls after one warm-up call;
+engine start-up is reported separately. "cpu s" is the CPU time the process spent in the call
+(median): on a machine shared with other work it is much less than the wall time, and closer to
+what the call takes alone. --profile adds, for each Hugging Face backend, the torch
+operators that took the most of one more call's time.
+
+The floor. A call's work is counted from the model's shape and the responses it produced: per row,
+N = prompt tokens + response tokens - 1 positions go through the model (the last token is sampled,
+never fed back), each costing 2 x (the layers' projection parameters) FLOPs, plus 2 x vocab x hidden
+for the head at each of the row's sampled tokens; position i attends over i + 1 keys at
+4 x layers x hidden FLOPs a key (QK^T and PV), so sum_i (i + 1) = N (N + 1) / 2 of them. The
+machine's matmul throughput is measured here, on the same threads: every projection of the model
+(and the head) as a `torch.nn.functional.linear` of --prompts rows, the fastest of 3 timings of 50
+each, FLOPs over time summed across the shapes. floor seconds = the call's FLOPs / that throughput,
+and floor_fraction = floor seconds / the fast path's seconds: the share of the machine's matmul
+rate the rollout reaches. (Attention is counted at the matmul rate, so the floor ignores that it
+reads the whole K/V cache at every step: it is a bound no engine reaches.) The last line:
+    rollout new_tokens_per_s=<a> hf_generate_tokens_per_s=<b> speedup=<a/b> floor_fraction=<f>
 """
 
 from __future__ import annotations
@@ -28,12 +50,51 @@ import time
 
 MODELS = {  # head_dim 64 throughout: vLLM's CPU attention needs it
     "tiny": dict(num_layers=2, hidden_size=128, num_heads=2, num_kv_heads=1, intermediate_size=384),
+    "sft": dict(num_layers=3, hidden_size=128, num_heads=2, num_kv_heads=1, intermediate_size=384),  # pi_SFT's shape
     "mid": dict(num_layers=8, hidden_size=512, num_heads=8, num_kv_heads=2, intermediate_size=1536),
 }
+HF_BACKENDS = ("hf", "hf-fast")  # these share a child process and take turns
 
 
-def measure(args) -> dict:
-    """In the child: build the model, time generation with one backend, return the numbers."""
+def matmul_flops_per_s(config, rows: int) -> float:
+    """The machine's matmul rate on this model's projections (and head) at `rows` rows (module docstring)."""
+    import torch
+    import torch.nn.functional as F
+
+    d, ff, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
+    kv = config.num_key_value_heads * config.head_dim
+    shapes = [(d, d), (d, kv), (d, kv), (d, d), (d, ff), (d, ff), (ff, d), (d, vocab)]  # (in, out)
+    flops = seconds = 0.0
+    for n_in, n_out in shapes:
+        x, w = torch.randn(rows, n_in), torch.randn(n_out, n_in)
+        F.linear(x, w)
+        timings = []
+        for _ in range(3):
+            start = time.perf_counter()
+            for _ in range(50):
+                F.linear(x, w)
+            timings.append((time.perf_counter() - start) / 50)
+        flops, seconds = flops + 2 * rows * n_in * n_out, seconds + min(timings)
+    return flops / seconds
+
+
+def call_flops(config, prompt_lengths: list[int], response_lengths: list[int]) -> float:
+    """FLOPs of one rollout call's forward passes (module docstring)."""
+    from mfu_bench import matmul_parameters
+
+    head = config.vocab_size * config.hidden_size
+    projections = matmul_parameters(config.to_dict()) - head
+    total = 0.0
+    for p, r in zip(prompt_lengths, response_lengths):
+        n = p + r - 1
+        total += 2 * projections * n + 2 * head * r + 4 * config.num_hidden_layers * config.hidden_size * n * (n + 1) / 2
+    return total
+
+
+def measure(args) -> list[dict]:
+    """In the child: build the model, time generation with each of --backends, return their numbers."""
+    import types
+
     import torch
 
     from support.task import SHAPES, build_tokenizer, make_problems, make_tiny_model
@@ -51,38 +112,55 @@ def measure(args) -> dict:
     problems = make_problems(args.prompts, seed=0, min_difficulty=shape.difficulty[0],
                              max_difficulty=shape.difficulty[1], width=shape.width)
     prompts = [tokenizer(p["prompt"]).input_ids for p in problems]
-    start = time.perf_counter()
-    if args.backend == "vllm":
-        from support.checkpoints import export_hf_checkpoint
-        from rollout import VLLMRollout
-
-        path = args.checkpoint
-        if not path:
-            path = os.path.join(tempfile.mkdtemp(), "model")
-            export_hf_checkpoint(model, tokenizer, path)
-        engine = VLLMRollout(path, tokenizer, max_model_len=max(map(len, prompts)) + args.new_tokens)
-    else:
-        from rollout import HFRollout
-
-        engine = HFRollout(model, tokenizer)
-    startup = time.perf_counter() - start
-    times, tokens = [], 0
-    for i in range(args.repeats + 1):
+    # What the engines stop on: with --no-eos an id no token has, so every row runs to the limit.
+    stops = types.SimpleNamespace(eos_token_id=len(tokenizer), pad_token_id=tokenizer.pad_token_id) \
+        if args.no_eos else tokenizer
+    engines, startup = {}, {}
+    for backend in args.backend.split(","):
         start = time.perf_counter()
-        batch = engine.generate(prompts, args.new_tokens, temperature=1.0, seed=i)
-        if i:  # the first call warms caches and kernels
-            times.append(time.perf_counter() - start)
-            tokens = int(batch.lengths.sum())
-    seconds = statistics.median(times)
-    out = {"backend": args.backend, "model": args.model, "startup_s": startup, "generate_s": seconds,
-           "tokens": tokens, "tokens_per_s": tokens / seconds,
-           "params_m": sum(p.numel() for p in model.parameters()) / 1e6}
-    if args.profile and args.backend == "hf":
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            engine.generate(prompts, args.new_tokens, temperature=1.0, seed=0)
-        ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
-        total = sum(e.self_cpu_time_total for e in ops)
-        out["top_ops"] = [(e.key, e.self_cpu_time_total / total, e.count) for e in ops[:6]]
+        if backend == "vllm":
+            from support.checkpoints import export_hf_checkpoint
+            from rollout import VLLMRollout
+
+            path = args.checkpoint
+            if not path:
+                path = os.path.join(tempfile.mkdtemp(), "model")
+                export_hf_checkpoint(model, tokenizer, path)
+            engines[backend] = VLLMRollout(path, stops, max_model_len=max(map(len, prompts)) + args.new_tokens)
+        elif backend == "hf":
+            from rollout import HFRollout
+
+            engines[backend] = HFRollout(model, stops)
+        else:
+            from support.fast_rollout import FastHFRollout
+
+            engines[backend] = FastHFRollout(model, stops)
+        startup[backend] = time.perf_counter() - start
+    times, cpu_times, batches = {b: [] for b in engines}, {b: [] for b in engines}, {}
+    for i in range(args.repeats + 1):
+        for backend, engine in engines.items():  # in turns: the same load for each
+            start, cpu_start = time.perf_counter(), time.process_time()
+            batches[backend] = engine.generate(prompts, args.new_tokens, temperature=1.0, seed=i)
+            if i:  # the first call warms caches and kernels
+                times[backend].append(time.perf_counter() - start)
+                cpu_times[backend].append(time.process_time() - cpu_start)
+    rate = matmul_flops_per_s(model.config, args.prompts)
+    out = []
+    for backend, engine in engines.items():
+        seconds, batch = statistics.median(times[backend]), batches[backend]
+        floor = call_flops(model.config, [len(p) for p in prompts], batch.lengths.tolist()) / rate
+        r = {"backend": backend, "model": args.model, "startup_s": startup[backend], "generate_s": seconds,
+             "cpu_s": statistics.median(cpu_times[backend]),
+             "tokens": int(batch.lengths.sum()), "tokens_per_s": int(batch.lengths.sum()) / seconds,
+             "floor_s": floor, "matmul_gflops": rate / 1e9,
+             "params_m": sum(p.numel() for p in model.parameters()) / 1e6}
+        if args.profile and backend in HF_BACKENDS:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                engine.generate(prompts, args.new_tokens, temperature=1.0, seed=0)
+            ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+            total = sum(e.self_cpu_time_total for e in ops)
+            r["top_ops"] = [(e.key, e.self_cpu_time_total / total, e.count) for e in ops[:6]]
+        out.append(r)
     return out
 
 
@@ -94,37 +172,49 @@ def main() -> None:
     # One thread by default: on a shared 2-core machine a second OpenMP thread makes each of HF's
     # many small ops wait for a descheduled thread (measured: HF 2.5x slower, vLLM barely).
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--models", nargs="+", default=["tiny", "mid"], choices=list(MODELS))
     p.add_argument("--checkpoint", help="a trained model (Hugging Face format) instead of --models' random ones")
     p.add_argument("--task-length", default="short", choices=["short", "long"], help="the built-in task's prompts")
-    p.add_argument("--backends", nargs="+", default=["hf", "vllm"], choices=["hf", "vllm"])
-    p.add_argument("--profile", action="store_true", help="HF: the operators that take the most time")
-    p.add_argument("--backend", choices=["hf", "vllm"], help=argparse.SUPPRESS)  # child mode
+    p.add_argument("--backends", nargs="+", default=["hf", "hf-fast", "vllm"], choices=["hf", "hf-fast", "vllm"])
+    p.add_argument("--no-eos", action="store_true", help="every row runs all --new-tokens (timing only)")
+    p.add_argument("--profile", action="store_true", help="HF backends: the operators that take the most time")
+    p.add_argument("--backend", help=argparse.SUPPRESS)  # child mode: comma-separated backends
     p.add_argument("--model", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.no_eos and "vllm" in args.backends and not args.backend:
+        p.error("--no-eos times the Hugging Face backends only (vLLM refuses a stop id outside the vocabulary)")
     if args.backend:
         print(json.dumps(measure(args)))
         return
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "CUDA_VISIBLE_DEVICES": ""}
-    print(f"{args.prompts} prompts x up to {args.new_tokens} new tokens, temperature 1, "
-          f"{args.threads} threads, median of {args.repeats}")
-    print(f"{'model':<6}{'params':>8}{'backend':>9}{'start s':>9}{'gen s':>8}{'tokens':>8}{'tok/s':>9}{'vllm/hf':>9}")
+    print(f"{args.prompts} prompts x up to {args.new_tokens} new tokens{' (EOS disabled)' * args.no_eos}, "
+          f"temperature 1, {args.threads} threads, median of {args.repeats}")
+    print(f"{'model':<6}{'params':>8}{'backend':>9}{'start s':>9}{'gen s':>8}{'cpu s':>8}{'tokens':>8}{'tok/s':>9}"
+          f"{'x hf':>7}{'floor s':>9}")
+    hf_group = [b for b in args.backends if b in HF_BACKENDS]
+    children = [",".join(hf_group)] * bool(hf_group) + ["vllm"] * ("vllm" in args.backends)
     for model in ["ckpt"] if args.checkpoint else args.models:
         results = {}
-        for backend in args.backends:
-            child = [sys.executable, __file__, "--backend", backend, "--model", model,
+        for backends in children:
+            child = [sys.executable, __file__, "--backend", backends, "--model", model,
                      "--prompts", str(args.prompts), "--new-tokens", str(args.new_tokens),
                      "--repeats", str(args.repeats), "--threads", str(args.threads), *(["--profile"] * args.profile),
-                     "--task-length", args.task_length, *(["--checkpoint", args.checkpoint] * bool(args.checkpoint))]
+                     *(["--no-eos"] * args.no_eos), "--task-length", args.task_length,
+                     *(["--checkpoint", args.checkpoint] * bool(args.checkpoint))]
             out = subprocess.run(child, env=env, capture_output=True, text=True)
             if out.returncode:
-                raise SystemExit(f"{backend}/{model} failed:\n{out.stderr[-3000:]}")
-            r = results[backend] = json.loads(out.stdout.strip().splitlines()[-1])
-            ratio = f"{r['tokens_per_s'] / results['hf']['tokens_per_s']:.2f}" if "hf" in results else "-"
-            print(f"{model:<6}{r['params_m']:>7.1f}M{backend:>9}{r['startup_s']:>9.1f}{r['generate_s']:>8.2f}"
-                  f"{r['tokens']:>8}{r['tokens_per_s']:>9.0f}{ratio:>9}")
-            for name, share, count in r.get("top_ops", []):
-                print(f"      {share:6.1%} of the call's operator time: {name} ({count} calls)")
+                raise SystemExit(f"{backends}/{model} failed:\n{out.stderr[-3000:]}")
+            for r in json.loads(out.stdout.strip().splitlines()[-1]):
+                results[r["backend"]] = r
+                ratio = f"{r['tokens_per_s'] / results['hf']['tokens_per_s']:.2f}" if "hf" in results else "-"
+                print(f"{model:<6}{r['params_m']:>7.1f}M{r['backend']:>9}{r['startup_s']:>9.1f}{r['generate_s']:>8.2f}"
+                      f"{r['cpu_s']:>8.2f}{r['tokens']:>8}{r['tokens_per_s']:>9.0f}{ratio:>7}{r['floor_s']:>9.2f}")
+                for name, share, count in r.get("top_ops", []):
+                    print(f"      {share:6.1%} of the call's operator time: {name} ({count} calls)")
+    if {"hf", "hf-fast"} <= set(results):  # the last model's: the one line a script reads
+        new, old = results["hf-fast"], results["hf"]
+        print(f"rollout new_tokens_per_s={new['tokens_per_s']:.0f} hf_generate_tokens_per_s={old['tokens_per_s']:.0f} "
+              f"speedup={new['tokens_per_s'] / old['tokens_per_s']:.2f} floor_fraction={new['floor_s'] / new['generate_s']:.3f}")
 
 
 if __name__ == "__main__":

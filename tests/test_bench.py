@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -50,10 +51,26 @@ def test_rollout_bench_times_a_trained_checkpoint_on_its_tasks_prompts(tmp_path)
     model = make_tiny_model(tokenizer, num_layers=1, seed=0)
     export_hf_checkpoint(model, tokenizer, str(tmp_path / "model"))
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "rollout_bench.py"), "--checkpoint", str(tmp_path / "model"),
-                           "--task-length", "long", "--backends", "hf", "--prompts", "2", "--new-tokens", "4",
+                           "--task-length", "long", "--backends", "hf", "hf-fast", "--prompts", "2", "--new-tokens", "4",
                            "--repeats", "1"],
                           capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr
-    row = done.stdout.splitlines()[-1].split()
+    *_, hf, fast, last = done.stdout.splitlines()
     params = f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M"  # the checkpoint's model, not --models'
-    assert row[:3] == ["ckpt", params, "hf"] and 1 <= int(row[5]) <= 8  # 2 responses of 1-4 tokens
+    assert hf.split()[:3] == ["ckpt", params, "hf"] and 1 <= int(hf.split()[6]) <= 8  # 2 responses of 1-4 tokens
+    assert fast.split()[:3] == ["ckpt", params, "hf-fast"]
+    m = re.fullmatch(r"rollout new_tokens_per_s=(\d+) hf_generate_tokens_per_s=(\d+) speedup=(\S+) floor_fraction=(\S+)", last)
+    assert m and float(m[3]) == pytest.approx(int(m[1]) / int(m[2]), abs=0.02) and 0 < float(m[4]) < 1
+
+
+def test_rollout_floor_counts_the_projections_the_head_and_causal_attention():
+    """One row of a 3-token prompt and 2 sampled tokens: 4 positions through the model, the head
+    at the 2 sampled ones, and 1 + 2 + 3 + 4 = 10 attended keys."""
+    import rollout_bench
+
+    config = Qwen2Config(**mfu_bench.TINY)
+    head = config.vocab_size * config.hidden_size
+    projections = sum(m.weight.numel() for m in Qwen2ForCausalLM(config).modules()
+                      if isinstance(m, torch.nn.Linear)) - head
+    expected = 2 * projections * 4 + 2 * head * 2 + 4 * config.num_hidden_layers * config.hidden_size * 10
+    assert rollout_bench.call_flops(config, [3], [2]) == expected

@@ -1,0 +1,246 @@
+"""The fast Hugging Face rollout (`--rollout hf-fast`): a decode loop over the model's own forward.
+
+`HFRollout` calls `generate`; on a CPU and a small model most of its time is not the model's
+arithmetic but what surrounds it (issue 31, measured in bench/rollout_bench.py):
+- the default cache grows by `torch.cat`, rewriting every layer's K/V at every step;
+- with a padding mask transformers' SDPA path does not pass `enable_gqa`, so `repeat_kv` copies
+  the K/V of a grouped-query model once more, in every layer, at every step (prompts of unequal
+  lengths; the built-in task's are all of one length, its mask is dropped and SDPA gets `enable_gqa`);
+- finished rows keep running until the longest one stops.
+`FastHFRollout` keeps the model and its modules (`Decoder`: every step is `model.forward`, so its
+logits are the model's) and replaces those three through transformers' extension points:
+- `PreallocatedCache`, a `Cache` of `PreallocatedLayer`s: K/V written in place into a buffer
+  sized once for the rollout, handed back as views; rows that stop are compacted out of it;
+- `gqa_sdpa_attention`, registered with `AttentionInterface` as "vcppo_gqa_sdpa": SDPA with the
+  key/value heads shared by their query group, never copied;
+- the padding masks are built once per rollout and passed as the model's per-layer-type mask
+  mapping (the form `generate` uses), so no step rebuilds them.
+Sampling is `generate`'s: temperature, then top-p (as `TopPLogitsWarper`), then a multinomial
+draw; temperature 0 is greedy. It draws from its own generator seeded with the seed, so the same
+seed gives the same batch and the global RNG is left alone. One process only: under torchrun the
+ranks' rows would stop at different steps, calling FSDP's collectives out of step (`HFRollout`'s
+`generate` keeps them in step), so config.py refuses hf-fast there. Log-probs, finish reasons and the
+`RolloutBatch` layout are `HFRollout`'s (rollout.py).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from fsdp_utils import world_size
+from rollout import HFRollout, RolloutBatch, probabilities_checked
+
+ATTENTION = "vcppo_gqa_sdpa"
+
+
+def gqa_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """SDPA over [B, heads, S, D] with the model's additive mask; a key/value head serves its group of
+    query heads in place (`enable_gqa`) instead of being repeated. Returns [B, S, heads, D], None."""
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                         scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTENTION, gqa_sdpa_attention)
+
+
+class PreallocatedLayer(CacheLayerMixin):
+    """One layer's K/V in buffers [B, kv_heads, max_len, D] allocated at the first update: each update
+    writes its positions in place and returns views of the rows in use up to the current length."""
+
+    def __init__(self, max_len: int):
+        super().__init__()
+        self.max_len, self.length, self.rows = max_len, 0, 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        B, heads, _, dim = key_states.shape
+        self.keys = key_states.new_empty(B, heads, self.max_len, dim)
+        self.values = value_states.new_empty(B, value_states.shape[1], self.max_len, value_states.shape[-1])
+        self.rows, self.is_initialized = B, True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"PreallocatedLayer: {end} positions do not fit max_len {self.max_len}")
+        self.keys[: self.rows, :, self.length : end] = key_states
+        self.values[: self.rows, :, self.length : end] = value_states
+        self.length = end
+        return self.keys[: self.rows, :, :end], self.values[: self.rows, :, :end]
+
+    def keep(self, index: torch.Tensor) -> None:
+        """Keep rows `index` (in order) as the first rows; the buffers are reused, and only the rows
+        that change place move (the K/V written so far)."""
+        moved = (index != torch.arange(len(index), device=index.device)).nonzero().squeeze(1)
+        if len(moved):
+            self.keys[moved, :, : self.length] = self.keys[index[moved], :, : self.length]
+            self.values[moved, :, : self.length] = self.values[index[moved], :, : self.length]
+        self.rows = len(index)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return self.max_len
+
+
+class PreallocatedCache(Cache):
+    """A model's K/V cache of `PreallocatedLayer`s, every layer max_len positions long."""
+
+    def __init__(self, num_layers: int, max_len: int):
+        super().__init__(layers=[PreallocatedLayer(max_len) for _ in range(num_layers)])
+
+    def keep(self, index: torch.Tensor) -> None:
+        """Drop every row not in `index` (rows that stopped) and renumber the others 0..len-1."""
+        for layer in self.layers:
+            layer.keep(index)
+
+
+@contextmanager
+def attention_implementation(model, name: str):
+    """Run `model` with the attention function registered as `name`, then restore its own."""
+    config = model.config
+    before = config._attn_implementation
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
+
+
+def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [B], their log-probs at the temperature [B]) from next-token logits [B, V], as `generate`
+    samples: logits / temperature, top-p truncation, a multinomial draw; greedy at temperature 0.
+    The log-probs are of the untruncated distribution (README: the quantity PPO recomputes)."""
+    logits = logits.float()
+    if temperature == 0:
+        tokens = logits.argmax(-1)
+        return tokens, F.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1)
+    scaled = logits / temperature
+    logprobs = F.log_softmax(scaled, -1)
+    if top_p < 1.0:  # TopPLogitsWarper: drop the least likely tokens whose total mass is <= 1 - top_p
+        ascending, order = torch.sort(scaled, descending=False)
+        drop = ascending.softmax(-1).cumsum(-1) <= 1 - top_p
+        drop[:, -1] = False  # the most likely token always stays
+        scaled = scaled.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+    with probabilities_checked():
+        tokens = torch.multinomial(scaled.softmax(-1), 1, generator=generator).squeeze(-1)
+    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+class Decoder:
+    """A batch of prompts decoded one position at a time by the model's own forward: the prompts'
+    forward at construction (`logits`), then `step(tokens)` for each next token of every row still
+    going, over a `PreallocatedCache` and the registered grouped-query attention. Masks and positions
+    are built once here: padded keys get -inf, and a row's positions count its real tokens, as in
+    `generate` and `RolloutBatch.model_inputs`. `keep(index)` drops the rows not in `index`."""
+
+    def __init__(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int):
+        if set(model.config.layer_types) != {"full_attention"}:
+            raise ValueError("FastHFRollout: sliding-window layers are not supported; use --rollout hf")
+        self.model = model
+        B, P = prompt_ids.shape
+        dtype, device = next(model.parameters()).dtype, prompt_ids.device
+        # Generated positions stay 0 in the key mask: a decoding step attends to all before it.
+        self.key_bias = torch.zeros(B, 1, 1, P + max_new_tokens, dtype=dtype, device=device)
+        self.key_bias[:, 0, 0, :P].masked_fill_(prompt_mask == 0, float("-inf"))
+        causal = torch.full((P, P), float("-inf"), dtype=dtype, device=device).triu(1)
+        positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+        self.cache = PreallocatedCache(model.config.num_hidden_layers, P + max_new_tokens)
+        self.logits = self._forward(prompt_ids, self.key_bias[..., :P] + causal, positions)  # [B, V]
+        self.positions = positions[:, -1:] + 1
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Next-token logits [rows, V] after appending `tokens` [rows], one per row still going."""
+        length = self.cache.get_seq_length() + 1
+        self.logits = self._forward(tokens[:, None], self.key_bias[..., :length], self.positions)
+        self.positions = self.positions + 1
+        return self.logits
+
+    def keep(self, index: torch.Tensor) -> None:
+        """Keep rows `index` only (in that order): finished rows cost nothing from here on."""
+        self.cache.keep(index)
+        self.key_bias, self.positions, self.logits = self.key_bias[index], self.positions[index], self.logits[index]
+
+    def _forward(self, ids, mask, positions) -> torch.Tensor:
+        # The mask is passed per layer type, so the model uses it as it is instead of building one.
+        with attention_implementation(self.model, ATTENTION):
+            out = self.model(input_ids=ids, attention_mask={"full_attention": mask}, position_ids=positions,
+                             past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1]
+
+
+class FastHFRollout(HFRollout):
+    """Sampling with the trained model itself, like `HFRollout`, through a `Decoder` (module
+    docstring); rows that stop are dropped from the batch at once."""
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+    ) -> RolloutBatch:
+        """Sample one response per prompt; temperature 0 means greedy. The batch is on the model's device."""
+        model = self.model
+        ids, mask = self.padded_prompts(prompt_ids)
+        device = ids.device
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if world_size() > 1:  # ranks stopping at different steps would call FSDP's all-gathers out of step
+            raise RuntimeError("FastHFRollout decodes in one process; under torchrun use HFRollout")
+        # A seed makes the rollout a function of (seed, weights, prompts): resumed runs replay exactly.
+        # Without one, torch's RNG picks it (so torch.manual_seed still makes runs repeatable).
+        generator = torch.Generator(device)
+        generator.manual_seed(int(torch.randint(0, 2**62, ())) if seed is None else seed)
+        B = len(ids)
+        response = torch.full((B, max_new_tokens), self.pad_id, dtype=torch.long, device=device)
+        logprobs = torch.zeros(B, max_new_tokens, device=device)
+        lengths = torch.full((B,), max_new_tokens, dtype=torch.long, device=device)
+        rows = torch.arange(B, device=device)  # the batch row of each row still going
+        was_training = model.training
+        model.eval()
+        decoder = Decoder(model, ids, mask, max_new_tokens)
+        logits = decoder.logits
+        for t in range(max_new_tokens):
+            tokens, token_logprobs = sample_tokens(logits, temperature, top_p, generator)
+            response[rows, t], logprobs[rows, t] = tokens, token_logprobs
+            stopped = tokens == self.eos_id
+            if t + 1 == max_new_tokens:
+                break
+            if stopped.any():
+                lengths[rows[stopped]] = t + 1
+                going = (~stopped).nonzero().squeeze(1)
+                if len(going) == 0:
+                    break
+                # The rows left fill the places of those that stopped from the end: the fewest move.
+                order, n = torch.arange(len(stopped), device=device), len(going)
+                order[stopped[:n].nonzero().squeeze(1)] = going[going >= n]
+                going = order[:n]
+                rows, tokens = rows[going], tokens[going]
+                decoder.keep(going)
+            logits = decoder.step(tokens)
+        model.train(was_training)
+        width = int(lengths.max())  # as `generate`: as wide as the longest response
+        response, logprobs = response[:, :width], logprobs[:, :width]
+        stopped = response.gather(1, (lengths - 1)[:, None]).squeeze(1) == self.eos_id
+        response_mask = (torch.arange(width, device=device)[None] < lengths[:, None]).float()
+        return RolloutBatch(
+            prompt_ids=ids,
+            prompt_mask=mask,
+            response_ids=response,
+            response_mask=response_mask,
+            logprobs=logprobs,
+            finish_reasons=["stop" if s else "length" for s in stopped.tolist()],
+        )
