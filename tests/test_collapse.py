@@ -125,8 +125,7 @@ def test_read_only_leaves_out_what_did_not_finish_and_stops_when_nothing_did(tmp
 @pytest.mark.slow
 def test_micro_grid_through_train_py_ends_with_the_summary_line(tmp_path):
     cmd = [sys.executable, str(ROOT / "analysis" / "collapse.py"), "--steps", "2", "--out", str(tmp_path / "out"),
-           "--out-dir", str(tmp_path / "runs"), "--arms", "ppo", "vc-ppo", "ppo-orm", "--",
-           *MICRO, "--value-pretrain-steps", "1"]
+           "--out-dir", str(tmp_path / "runs"), "--arms", "ppo", "ppo-orm", "--", *MICRO]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr[-3000:]
     last = done.stdout.strip().splitlines()[-1]
