@@ -15,7 +15,6 @@ Plain PPO initialises the critic from the ORM, whose prefix values are out of di
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 import numpy as np
@@ -29,7 +28,7 @@ from support.checkpoints import copy_local_rows, export_hf_checkpoint, load_pret
 from support.config import ConfigError
 from ppo import value_loss
 from rollout import RolloutBatch
-from support.rundir import build_once, check_stage
+from support.rundir import build_once, check_stage, write_json
 from sampling import Sampler
 
 
@@ -262,8 +261,7 @@ def prepare_orm(cfg, sft_path: str, sampler: Sampler, records: list[dict]) -> st
         export_hf_checkpoint(model, sampler.tokenizer, staging)  # streamed from the shards: collective
         quality = orm_quality(model, [draw("orm-heldout", i) for i in range(ORM_HELDOUT_BATCHES)])
         if is_main():
-            with open(os.path.join(staging, "quality.json"), "w") as f:
-                json.dump({"loss": cfg.orm_loss, "final_step": history[-1], **quality}, f, indent=1)
+            write_json(os.path.join(staging, "quality.json"), {"loss": cfg.orm_loss, "final_step": history[-1], **quality})
             held_out = quality.get("all", {})
             tqdm.write(f"ORM ({cfg.orm_loss}): {cfg.orm_steps} steps on {sum(len(s.batch) for s in scored) * world_size()} "
                        f"graded samples, loss {history[-1]['orm/loss']:.3f}; held-out AUC "

@@ -339,8 +339,9 @@ def markdown(m: dict, runs: dict[str, list[ablation.Run]]) -> str:
                   "| arm | loss | responses | AUC | sign accuracy | base rate |", "|---|---|---|---|---|---|"]
         for arm, q in m["reward_models"].items():
             a = q.get("all", {})
-            lines.append(f"| {arm} | {q['loss']} | {a.get('responses', 0)} | {a.get('auc', float('nan')):.3f} | "
-                         f"{a.get('sign_accuracy', float('nan')):.3f} | {a.get('base_rate', float('nan')):.3f} |")
+            share = lambda key: "-" if a.get(key) is None else f"{a[key]:.3f}"  # noqa: E731  (null: undefined)
+            lines.append(f"| {arm} | {q['loss']} | {a.get('responses', 0)} | {share('auc')} | {share('sign_accuracy')} | "
+                         f"{share('base_rate')} |")
     walls = [r["wall_s"] for rows in m["runs"].values() for r in rows if r["wall_s"] is not None]
     lines += ["", "Goal checks:", "", *[f"- {g}" for g in m["goals"]], ""]
     if walls:
