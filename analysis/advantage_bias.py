@@ -1,8 +1,9 @@
 """Advantage and value by token position on pi_SFT's rollouts (paper §3.1, Fig. 2: value initialisation bias).
 
-At the start of PPO the policy is pi_SFT. Its rollouts are scored (+-1 on the last token) and three
-critics read V(s_t) on them: the outcome reward model (plain PPO's critic initialisation), pi_SFT with
-a fresh head, and the value-pretrained critic (§3.2). GAE (Eq. 5-6) with lambda 0.95 and 1.0 turns each
+At the start of PPO the policy is pi_SFT. Its rollouts are scored (+-1 on the last token) and four
+critics read V(s_t) on them: the outcome reward model (plain PPO's critic initialisation, MSE on the
+outcome), the Bradley-Terry reward model (`--orm-loss bradley-terry`), pi_SFT with a fresh head
+(moved by `--offset`, train.py's `--critic-init-offset`), and the value-pretrained critic (§3.2). GAE (Eq. 5-6) with lambda 0.95 and 1.0 turns each
 into advantages. With an exact critic E[A_t] = 0 at every position, so the mean advantage by position
 shows each critic's bias; the mean Monte-Carlo return (the lambda = 1 target, the same for every
 critic) is what V(s_t) should be on average. The paper's Fig. 2 has early tokens biased UP; report
@@ -14,6 +15,7 @@ task, sampling, reward and the stages --build runs are the run's.
     python analysis/advantage_bias.py                 # critics of runs/: writes runs/analysis/advantage_bias.*
     python analysis/advantage_bias.py --build         # first runs train.py's missing stages (SFT, ORM, §3.2)
     python analysis/advantage_bias.py --rollouts 64 --critic PATH -- --out-dir runs --run-name myrun
+    python analysis/advantage_bias.py --offset -2 -- --out-dir runs/collapse   # the critics of analysis/collapse.py
 """
 import dataclasses
 import json
@@ -34,7 +36,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from support import rundir
 from analysis import run_cli
 from support.config import parse_config
-from critic import check_orm, load_value_model, orm_path, orm_quality, prepare_orm, response_values
+from critic import check_orm, load_value_model, orm_path, orm_quality, prepare_orm, response_values, shift_values
 from support.data import prepare_data, sample_prompts, stream_seed
 from fsdp_utils import local_device
 from gae import compute_gae
@@ -45,8 +47,10 @@ from support.sft import prepare_sft, sft_cache_path
 from value_pretrain import prepare_value_critic
 from reward import Grader
 
-CRITICS = ("orm", "sft", "pretrained")
-LABELS = {"orm": "ORM-initialised", "sft": "SFT + fresh head", "pretrained": "value-pretrained (§3.2)"}
+CRITICS = ("orm", "orm-bt", "sft", "pretrained")
+LABELS = {"orm": "ORM-initialised", "orm-bt": "Bradley-Terry RM", "sft": "SFT + fresh head",
+          "pretrained": "value-pretrained (§3.2)"}
+REWARD_MODELS = ("orm", "orm-bt")  # judged as reward models too (AUC on these rollouts)
 
 
 @dataclass
@@ -57,6 +61,10 @@ class Args:
     """pi_SFT checkpoint; None: train.py's (--model, else <out_dir>/_shared/sft)"""
     orm: str | None = None
     """outcome reward model; None: train.py's cache (<out_dir>/_shared/orm, or orm-<run_name> with --model)"""
+    orm_bt: str | None = None
+    """Bradley-Terry reward model; None: train.py's cache for --orm-loss bradley-terry (<out_dir>/_shared/orm-bt)"""
+    offset: float = 0.0
+    """added to every V(s_t) of the SFT + fresh-head critic, as train.py's --critic-init-offset does"""
     critic: str | None = None
     """value-pretrained critic; None: <out_dir>/<run_name>/value_pretrain/critic"""
     build: bool = False
@@ -89,7 +97,8 @@ class BiasResult:
     first_quarter: dict[str, dict[float, tuple[float, float]]]  # critic -> lambda -> (mean, SE) over responses
     # of each response's mean A_t over its first quarter (the issue's Fig. 2 criterion)
     box: dict[str, dict]  # critic -> V(s_t) just before and just after the final box opens (TD errors there)
-    orm_quality: dict  # the ORM as a reward model on these (held-out) responses: AUC, sign accuracy, base rate
+    orm_quality: dict  # reward model -> subset -> AUC, sign accuracy, base rate on these (held-out) responses
+    offset: float = 0.0  # added to the SFT + fresh-head critic's values
 
 
 def check_args(args: Args) -> None:
@@ -107,15 +116,23 @@ def default_paths(args: Args, cfg) -> dict[str, str]:
     """Where train.py writes (or wrote) pi_SFT and each critic, unless a flag names another path."""
     return {
         "sft": args.sft or cfg.model or sft_cache_path(cfg),
-        "orm": args.orm or orm_path(cfg),
+        "orm": args.orm or orm_path(dataclasses.replace(cfg, orm_loss="mse")),
+        "orm-bt": args.orm_bt or orm_path(bradley_terry(cfg)),
         "pretrained": args.critic or os.path.join(cfg.out_dir, cfg.run_name, "value_pretrain", "critic"),
     }
 
 
+def bradley_terry(cfg):
+    """The run's settings with train.py's --orm-loss bradley-terry (where its reward model is cached)."""
+    return dataclasses.replace(cfg, orm_loss="bradley-terry")
+
+
 def build_missing(args: Args, cfg, paths: dict, sampler: Sampler, records) -> None:
-    """--build: train.py's ORM and value-pretraining stages (SFT is built before the engine exists)."""
+    """--build: train.py's ORM (both losses) and value-pretraining stages (SFT is built before the engine exists)."""
     if args.orm is None:
-        prepare_orm(cfg, paths["sft"], sampler, records)
+        prepare_orm(dataclasses.replace(cfg, orm_loss="mse"), paths["sft"], sampler, records)
+    if args.orm_bt is None:
+        prepare_orm(bradley_terry(cfg), paths["sft"], sampler, records)
     if args.critic is None and not os.path.exists(paths["pretrained"]) and cfg.value_pretrain_steps > 0:
         run_dir = rundir.prepare(cfg)  # the run directory records the settings of what goes in it
         critic_init = paths["sft"] if cfg.critic_init == "sft" else prepare_orm(cfg, paths["sft"], sampler, records)
@@ -238,17 +255,19 @@ def measure(args: Args, rollouts, paths: dict, gamma: float, starts: list[list[i
     for name in CRITICS:
         path = paths[name]
         if not Path(path, "config.json").is_file():
-            hint = {"orm": "train.py --critic-init rm", "sft": "train.py",
-                    "pretrained": "train.py --value-pretrain-steps N"}[name]
+            hint = {"orm": "train.py --critic-init rm", "orm-bt": "train.py --critic-init rm --orm-loss bradley-terry",
+                    "sft": "train.py", "pretrained": "train.py --value-pretrain-steps N"}[name]
             skipped[name] = f"no checkpoint at {path} (run `{hint}` first, or pass --build)"
             tqdm.write(f"advantage_bias: {LABELS[name]} critic skipped: {skipped[name]}")
             continue
         torch.manual_seed(args.seed)  # the fresh head of the SFT critic
         critic = load_value_model(path).to(local_device()).eval()  # pi_SFT gets a new N(0, 0.02) head; critics keep theirs
+        if name == "sft":
+            shift_values(critic, args.offset)
         with torch.no_grad():
             s = position_sums(rollouts, critic, args.lambdas, gamma, width, args.bin_size)
-            if name == "orm":
-                quality = orm_quality(critic, rollouts)
+            if name in REWARD_MODELS:
+                quality[name] = orm_quality(critic, rollouts)
         del critic
         first_quarter[name] = {lam: mean_and_se(s["first_quarter"][lam]) for lam in args.lambdas}
         box[name] = box_alignment(rollouts, s["values"], starts)
@@ -269,7 +288,7 @@ def measure(args: Args, rollouts, paths: dict, gamma: float, starts: list[list[i
         tokens=bin_sums(common["count"], args.bin_size),
         mc_return=binned(common["ret"], common["count"], args.bin_size), values=values,
         advantages=advantages, pearson=pearson, first_bin_se=first_se, skipped=skipped,
-        first_quarter=first_quarter, box=box, orm_quality=quality,
+        first_quarter=first_quarter, box=box, orm_quality=quality, offset=args.offset,
         rollout={"responses": len(lengths), "mean_length": lengths.mean().item(), "max_length": width,
                  "accuracy": (outcomes > 0).float().mean().item(),
                  "truncated": sum(truncated) / len(truncated)},
@@ -291,9 +310,10 @@ def plot(r: BiasResult, path: Path) -> None:
     for i, name in enumerate(CRITICS):
         if name not in r.values:
             continue
+        label = LABELS[name] + (f" {r.offset:+g}" if name == "sft" and r.offset else "")
         for j, (lam, adv) in enumerate(r.advantages[name].items()):
-            adv_ax.plot(x, adv, styles[j % 4], color=f"C{i}", marker="o", ms=3, label=f"{LABELS[name]}, λ={lam:g}")
-        val_ax.plot(x, r.values[name], color=f"C{i}", marker="o", ms=3, label=LABELS[name])
+            adv_ax.plot(x, adv, styles[j % 4], color=f"C{i}", marker="o", ms=3, label=f"{label}, λ={lam:g}")
+        val_ax.plot(x, r.values[name], color=f"C{i}", marker="o", ms=3, label=label)
     val_ax.plot(x, r.mc_return, "k--", label="mean return (λ=1 target)")
     adv_ax.axhline(0, color="grey", lw=0.8)
     adv_ax.set(xlabel="response token position t", ylabel=f"mean advantage A_t (bins of {r.bin_size})",
@@ -310,16 +330,17 @@ def plot(r: BiasResult, path: Path) -> None:
 
 
 def mechanism_lines(r: BiasResult) -> list[str]:
-    """The ORM's quality as a reward model, the first-quarter advantage and the values around the box."""
-    lines = ["## The ORM as a reward model (held-out responses, score at the last token)", ""]
+    """The reward models' quality as reward models, the first-quarter advantage and the values around the box."""
+    lines = ["## The reward models as reward models (held-out responses, score at the last token)", ""]
     if r.orm_quality:
-        lines += ["| responses | n | correct | AUC | sign accuracy | base rate | mean score, correct | mean score, wrong |",
-                  "|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {name} | {q['responses']} | {q['correct']} | {q['auc']:.3f} | {q['sign_accuracy']:.3f} | "
-                  f"{q['base_rate']:.3f} | {q['mean_score_correct']:+.3f} | {q['mean_score_wrong']:+.3f} |"
-                  for name, q in r.orm_quality.items()]
+        lines += ["| reward model | responses | n | correct | AUC | sign accuracy | base rate | mean score, correct "
+                  "| mean score, wrong |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {LABELS[critic]} | {name} | {q['responses']} | {q['correct']} | {q['auc']:.3f} | "
+                  f"{q['sign_accuracy']:.3f} | {q['base_rate']:.3f} | {q['mean_score_correct']:+.3f} | "
+                  f"{q['mean_score_wrong']:+.3f} |"
+                  for critic, by_subset in r.orm_quality.items() for name, q in by_subset.items()]
     else:
-        lines.append("(no ORM read)")
+        lines.append("(no reward model read)")
     lines += ["", "## Mean advantage over the first quarter of each response (mean ± SE over responses)", "",
               "| critic | " + " | ".join(f"λ={lam:g}" for lam in r.lambdas) + " |", "|---|" + "---|" * len(r.lambdas)]
     lines += [f"| {LABELS[name]} | " + " | ".join(f"{m:+.3f} ± {se:.3f} ({m / se:+.1f} SE)" if se > 0 else f"{m:+.3f}"
@@ -362,7 +383,8 @@ def markdown(r: BiasResult, paths: dict, gamma: float, seconds: dict) -> str:
         f"the valid tokens of each bin of {r.bin_size} positions. Mean length in GAE horizons, length x "
         f"(1 - lambda): {horizons or 'n/a'}.", "",
         "Critics: " + "; ".join(f"{LABELS[n]} = {paths[n]}" for n in CRITICS) + ". "
-        "The SFT critic has a fresh N(0, 0.02) head (critic.load_value_model).", "",
+        "The SFT critic has a fresh N(0, 0.02) head (critic.load_value_model)"
+        + (f", its values moved by {r.offset:+g} (--offset)" if r.offset else "") + ".", "",
         "| critic | lambda | Pearson r(A_t, t), token level | mean A_t, first bin ± 2 SE | mean A_t, all tokens "
         "| mean V(s_t), first bin |", "|---|---|---|---|---|---|", *summary, "",
         f"Mean return (lambda = 1 target, same for every critic), first bin: {r.mc_return[0]:+.3f}.", "",
@@ -387,7 +409,7 @@ def to_json(r: BiasResult) -> dict:
         "first_bin_se": {k: {str(lam): c for lam, c in v.items()} for k, v in r.first_bin_se.items()},
         "skipped": r.skipped, "rollout": r.rollout,
         "first_quarter": {k: {str(lam): list(c) for lam, c in v.items()} for k, v in r.first_quarter.items()},
-        "box": r.box, "orm_quality": r.orm_quality,
+        "box": r.box, "orm_quality": r.orm_quality, "offset": r.offset,
     }
 
 
@@ -399,7 +421,9 @@ def main(args: Args, train_argv: list[str] = ()) -> BiasResult:
     if args.critic is None:
         rundir.check(cfg)  # the run's value-pretrained critic belongs to the settings in its config.json
     if args.orm is None:
-        check_orm(cfg)  # train.py's cached ORM was trained with these flags' settings
+        check_orm(dataclasses.replace(cfg, orm_loss="mse"))  # train.py's cached ORMs were trained with these flags' settings
+    if args.orm_bt is None:
+        check_orm(bradley_terry(cfg))
     paths = default_paths(args, cfg)
     if args.build and args.sft is None:
         paths["sft"] = prepare_sft(cfg)  # train.py's SFT stage (cached)

@@ -26,8 +26,12 @@ accuracy ratio (lowest 5-step moving average of training accuracy over pi_SFT's 
 the recovery (steps from the trough of that moving average back to 0.9 of the first step's
 length); Fig. 2 from the same runs (each critic's mean advantage over each quarter of the first
 batch's responses, before whitening); and held-out pass@1 after PPO. With several seeds, mean ±
-std. It writes collapse.png (length, training accuracy and the critic's error by step, the dose-response, Fig. 2),
-collapse.md and collapse.json to --out, and prints as its last line
+std. Fig. 2 is also drawn by analysis/advantage_bias.py, by token position, for the critics the
+arms start from (the offset critic, the MSE ORM, the Bradley-Terry RM and the vc-ppo run's
+value-pretrained critic, on 128 fresh pi_SFT responses of the first seed; advantage_bias.* in
+--out), once the vc-ppo run has finished. It writes collapse.png (length, training accuracy and the
+critic's error by step, the dose-response, both Fig. 2s), collapse.md and collapse.json to --out,
+and prints as its last line
 
     collapse offset=<C> ppo_length_ratio=<x> vcppo_length_ratio=<y> ppo_acc_ratio=<p> vcppo_acc_ratio=<q> ppo_final_acc=<a> vcppo_final_acc=<b> sft_acc=<c>
 
@@ -37,7 +41,7 @@ is read, not rerun, and a stopped one resumes. Flags after `--` go to every trai
     python analysis/collapse.py                                   # all arms, seed 0, the tiny preset
     python analysis/collapse.py --seeds 0 1 2 --out results/collapse
     python analysis/collapse.py --arms ppo vc-ppo --offset -3
-    python analysis/collapse.py --arms ppo decoupled-gae -- --preset tiny-long   # reward signal decay, long task
+    python analysis/collapse.py --arms ppo decoupled-gae --out-dir runs/collapse-long --out runs/analysis/collapse-long -- --preset tiny-long   # reward signal decay
 """
 import json
 from dataclasses import dataclass
@@ -49,7 +53,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 
-from analysis import ablation, run_cli
+from analysis import ablation, advantage_bias, run_cli
 from support.config import parse_config
 
 OFFSETS = (-3.0, -2.0, -1.0, 0.0, 1.0)  # the dose-response
@@ -236,6 +240,30 @@ def measure(runs: dict[str, list[ablation.Run]], offset: float) -> dict:
     return m
 
 
+def fig2_by_position(args: Args, runs: dict[str, list[ablation.Run]]) -> dict | None:
+    """analysis/advantage_bias.py on the critics the arms start from, with the first finished vc-ppo run's
+    settings (its pi_SFT, reward models and value-pretrained critic); None (and why, printed) without them."""
+    vc = next((r for r in runs.get("vc-ppo", []) if r.done), None)
+    if vc is None:
+        print("Fig. 2 by position: skipped, no finished vc-ppo run")
+        return None
+    bias_args = advantage_bias.Args(out=args.out, offset=args.offset, seed=vc.seed)
+    paths = advantage_bias.default_paths(bias_args, vc.config)
+    missing = [paths[k] for k in ("sft", "pretrained") if not Path(paths[k], "config.json").is_file()]
+    if missing:
+        print(f"Fig. 2 by position: skipped, no checkpoint at {', '.join(missing)}")
+        return None
+    r = advantage_bias.main(bias_args, vc.flags)
+    out = {}
+    for name, adv in r.advantages.items():
+        error = float(((r.values[name] - r.mc_return) * r.tokens).sum() / r.tokens.sum())  # mean V(s_t) - G_t
+        out[name] = {"label": advantage_bias.LABELS[name], "error": error, "bin_start": r.bin_start.tolist(),
+                     "advantage": adv[0.95].tolist() if 0.95 in adv else None,
+                     "first_quarter": {str(lam): list(ms) for lam, ms in r.first_quarter[name].items()}}
+    return {"seed": vc.seed, "responses": r.rollout["responses"], "offset": args.offset, "critics": out,
+            "tokens": r.tokens.tolist(), "skipped": r.skipped}
+
+
 def summary_line(m: dict) -> str:
     def mean(arm, key):
         return f"{stat([r[key] for r in m['runs'][arm]])[0]:.3f}" if arm in m["runs"] else "n/a"
@@ -254,7 +282,6 @@ def label(m: dict, arm: str) -> str:
 def plot(m: dict, path: Path) -> None:
     fig, grid = plt.subplots(2, 3, figsize=(18, 9.5))
     axes = grid.flatten()
-    axes[5].axis("off")
     for ax, key, name in ((axes[0], "response_length/mean", "batch-mean response length"),
                           (axes[1], "reward/accuracy", "training accuracy"),
                           (axes[2], "critic/value_error/all", "critic's error: mean V(s_t) - G_t")):
@@ -291,6 +318,20 @@ def plot(m: dict, path: Path) -> None:
            xticks=[1, 2, 3, 4])
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
+    ax = axes[5]  # Fig. 2 by position (analysis/advantage_bias.py)
+    if m.get("fig2"):
+        f2 = m["fig2"]
+        for name, c in f2["critics"].items():
+            if c["advantage"] is not None:
+                text = c["label"] + (f" {f2['offset']:+g}" if name == "sft" else "")
+                ax.plot(np.array(c["bin_start"]), c["advantage"], marker="o", ms=2, label=f"{text} (error {c['error']:+.2f})")
+        ax.axhline(0, color="black", lw=0.5)
+        ax.set(xlabel="response token position t", ylabel="mean advantage, lambda 0.95",
+               title=f"Fig. 2 by position: {f2['responses']} pi_SFT responses (advantage_bias.py)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    else:
+        ax.axis("off")
     fig.suptitle(f"Fig. 1 by intervention: the critic's initial offset set by hand (seeds {m['seeds']}; "
                  f"pi_SFT held-out pass@1 {m['sft_acc']:.3f})")
     fig.tight_layout()
@@ -342,6 +383,18 @@ def markdown(m: dict, runs: dict[str, list[ablation.Run]]) -> str:
             share = lambda key: "-" if a.get(key) is None else f"{a[key]:.3f}"  # noqa: E731  (null: undefined)
             lines.append(f"| {arm} | {q['loss']} | {a.get('responses', 0)} | {share('auc')} | {share('sign_accuracy')} | "
                          f"{share('base_rate')} |")
+    if m.get("fig2"):
+        f2 = m["fig2"]
+        lines += ["", f"Fig. 2 by position (analysis/advantage_bias.py, advantage_bias.md beside this file): the "
+                  f"critics the arms start from, on {f2['responses']} fresh pi_SFT responses (seed {f2['seed']}). Error: "
+                  "mean V(s_t) - G_t over all tokens; mean advantage over each response's first quarter ± SE over "
+                  "responses:", "", "| critic | error | first quarter, lambda 0.95 | first quarter, lambda 1.0 |",
+                  "|---|---|---|---|"]
+        for name, c in f2["critics"].items():
+            fq = {lam: f"{mean:+.3f} ± {se:.3f}" for lam, (mean, se) in c["first_quarter"].items()}
+            text = c["label"] + (f" (offset {f2['offset']:+g})" if name == "sft" else "")
+            lines.append(f"| {text} | {c['error']:+.3f} | {fq.get('0.95', '-')} | {fq.get('1.0', '-')} |")
+        lines += [f"- {advantage_bias.LABELS[n]}: skipped, {why}" for n, why in f2["skipped"].items()]
     walls = [r["wall_s"] for rows in m["runs"].values() for r in rows if r["wall_s"] is not None]
     lines += ["", "Goal checks:", "", *[f"- {g}" for g in m["goals"]], ""]
     if walls:
@@ -361,6 +414,7 @@ def main(args: Args, train_flags: list[str]) -> dict:
         raise SystemExit(f"error: run(s) did not finish, see {', '.join(str(d / 'train.log') for d in missing)}")
     m = measure(runs, args.offset)
     m["wall_s"] = wall
+    m["fig2"] = fig2_by_position(args, runs)
     args.out.mkdir(parents=True, exist_ok=True)
     plot(m, args.out / "collapse.png")
     (args.out / "collapse.md").write_text(markdown(m, runs))

@@ -33,7 +33,14 @@ machine's matmul throughput is measured here, on the same threads: every project
 each, FLOPs over time summed across the shapes. floor seconds = the call's FLOPs / that throughput,
 and floor_fraction = floor seconds / the fast path's seconds: the share of the machine's matmul
 rate the rollout reaches. (Attention is counted at the matmul rate, so the floor ignores that it
-reads the whole K/V cache at every step: it is a bound no engine reaches.) The last line:
+reads the whole K/V cache at every step: it is a bound no engine reaches.)
+
+The memory floor. A decoding step reads, for each row, every key and value written so far: per row,
+layers x 2 x kv_heads x head_dim x 4 bytes (fp32) for each of the sum_i (i + 1) keys above. Once
+the cache outgrows the CPU's caches (64 rows x 600 positions of the tiny model: ~60 MB) those reads
+come from DRAM; their bytes over the machine's copy bandwidth (a 256 MB `copy_`, reads plus writes,
+fastest of 3, measured here) is the "mem s" column: a second floor, which an engine that keeps the
+K/V in fp32 cannot beat however few operators it runs. The last line:
     rollout new_tokens_per_s=<a> hf_generate_tokens_per_s=<b> speedup=<a/b> floor_fraction=<f>
 """
 
@@ -91,6 +98,27 @@ def call_flops(config, prompt_lengths: list[int], response_lengths: list[int]) -
     return total
 
 
+def memory_bytes_per_s() -> float:
+    """The machine's copy bandwidth (module docstring): bytes read plus written per second."""
+    import torch
+
+    src = torch.ones(64 * 2**20)  # 256 MB of fp32
+    dst = torch.empty_like(src)
+    timings = []
+    for _ in range(3):
+        start = time.perf_counter()
+        dst.copy_(src)
+        timings.append(time.perf_counter() - start)
+    return 2 * src.numel() * src.element_size() / min(timings)
+
+
+def call_kv_bytes(config, prompt_lengths: list[int], response_lengths: list[int]) -> float:
+    """Bytes of K/V one rollout call reads (module docstring): every position reads the keys and values before it."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_key = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 4
+    return sum(per_key * (p + r - 1) * (p + r) / 2 for p, r in zip(prompt_lengths, response_lengths))
+
+
 def measure(args) -> list[dict]:
     """In the child: build the model, time generation with each of --backends, return their numbers."""
     import types
@@ -144,15 +172,18 @@ def measure(args) -> list[dict]:
             if i:  # the first call warms caches and kernels
                 times[backend].append(time.perf_counter() - start)
                 cpu_times[backend].append(time.process_time() - cpu_start)
-    rate = matmul_flops_per_s(model.config, args.prompts)
+    rate, bandwidth = matmul_flops_per_s(model.config, args.prompts), memory_bytes_per_s()
     out = []
     for backend, engine in engines.items():
         seconds, batch = statistics.median(times[backend]), batches[backend]
-        floor = call_flops(model.config, [len(p) for p in prompts], batch.lengths.tolist()) / rate
+        prompt_lengths, response_lengths = [len(p) for p in prompts], batch.lengths.tolist()
+        floor = call_flops(model.config, prompt_lengths, response_lengths) / rate
+        memory_floor = call_kv_bytes(model.config, prompt_lengths, response_lengths) / bandwidth
         r = {"backend": backend, "model": args.model, "startup_s": startup[backend], "generate_s": seconds,
              "cpu_s": statistics.median(cpu_times[backend]),
              "tokens": int(batch.lengths.sum()), "tokens_per_s": int(batch.lengths.sum()) / seconds,
-             "floor_s": floor, "matmul_gflops": rate / 1e9,
+             "floor_s": floor, "matmul_gflops": rate / 1e9, "memory_floor_s": memory_floor,
+             "copy_gb_per_s": bandwidth / 1e9,
              "params_m": sum(p.numel() for p in model.parameters()) / 1e6}
         if args.profile and backend in HF_BACKENDS:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -190,7 +221,7 @@ def main() -> None:
     print(f"{args.prompts} prompts x up to {args.new_tokens} new tokens{' (EOS disabled)' * args.no_eos}, "
           f"temperature 1, {args.threads} threads, median of {args.repeats}")
     print(f"{'model':<6}{'params':>8}{'backend':>9}{'start s':>9}{'gen s':>8}{'cpu s':>8}{'tokens':>8}{'tok/s':>9}"
-          f"{'x hf':>7}{'floor s':>9}")
+          f"{'x hf':>7}{'floor s':>9}{'mem s':>7}")
     hf_group = [b for b in args.backends if b in HF_BACKENDS]
     children = [",".join(hf_group)] * bool(hf_group) + ["vllm"] * ("vllm" in args.backends)
     for model in ["ckpt"] if args.checkpoint else args.models:
@@ -208,11 +239,15 @@ def main() -> None:
                 results[r["backend"]] = r
                 ratio = f"{r['tokens_per_s'] / results['hf']['tokens_per_s']:.2f}" if "hf" in results else "-"
                 print(f"{model:<6}{r['params_m']:>7.1f}M{r['backend']:>9}{r['startup_s']:>9.1f}{r['generate_s']:>8.2f}"
-                      f"{r['cpu_s']:>8.2f}{r['tokens']:>8}{r['tokens_per_s']:>9.0f}{ratio:>7}{r['floor_s']:>9.2f}")
+                      f"{r['cpu_s']:>8.2f}{r['tokens']:>8}{r['tokens_per_s']:>9.0f}{ratio:>7}{r['floor_s']:>9.2f}"
+                      f"{r['memory_floor_s']:>7.2f}")
                 for name, share, count in r.get("top_ops", []):
                     print(f"      {share:6.1%} of the call's operator time: {name} ({count} calls)")
     if {"hf", "hf-fast"} <= set(results):  # the last model's: the one line a script reads
         new, old = results["hf-fast"], results["hf"]
+        print(f"machine: matmul {new['matmul_gflops']:.0f} GFLOP/s, copy {new['copy_gb_per_s']:.1f} GB/s; the fast path "
+              f"reaches {new['floor_s'] / new['generate_s']:.0%} of the matmul floor and "
+              f"{new['memory_floor_s'] / new['generate_s']:.0%} of the K/V memory floor")
         print(f"rollout new_tokens_per_s={new['tokens_per_s']:.0f} hf_generate_tokens_per_s={old['tokens_per_s']:.0f} "
               f"speedup={new['tokens_per_s'] / old['tokens_per_s']:.2f} floor_fraction={new['floor_s'] / new['generate_s']:.3f}")
 

@@ -1,5 +1,6 @@
 """analysis/advantage_bias.py (paper Fig. 2) and analysis/value_pretrain_curves.py (§3.2) on a
 throwaway run directory: a tiny random pi_SFT, critics saved beside it, a fake curve.jsonl."""
+import dataclasses
 import json
 import math
 
@@ -21,7 +22,7 @@ FLAGS = ["--run-name", RUN, "--task-train-size", "16", "--task-eval-size", "4", 
 
 @pytest.fixture(scope="module")
 def run_root(tmp_path_factory):
-    """<root>/_shared/{sft,orm} and <root>/tinyrun/value_pretrain/{critic/,curve.jsonl}, as train.py lays them out."""
+    """<root>/_shared/{sft,orm,orm-bt} and <root>/tinyrun/value_pretrain/{critic/,curve.jsonl}, as train.py lays them out."""
     root = tmp_path_factory.mktemp("runs")
     cfg = parse_config(["--out-dir", str(root), *FLAGS])
     rundir.prepare(cfg)  # the run's config.json
@@ -29,13 +30,16 @@ def run_root(tmp_path_factory):
     sft = root / "_shared" / "sft"
     task.make_tiny_model(tokenizer, num_layers=2, intermediate_size=256).save_pretrained(sft)
     tokenizer.save_pretrained(sft)
-    for where, bias in ((root / "_shared" / "orm", 0.5), (root / RUN / "value_pretrain" / "critic", -0.2)):
+    for where, bias in ((root / "_shared" / "orm", 0.5), (root / "_shared" / "orm-bt", 1.5),
+                        (root / RUN / "value_pretrain" / "critic", -0.2)):
         torch.manual_seed(1)
         critic = load_value_model(str(sft))
         with torch.no_grad():
-            critic.score.bias.fill_(bias)  # distinct heads, so the three curves differ
+            critic.score.bias.fill_(bias)  # distinct heads, so the four curves differ
         critic.save_pretrained(where)
-    (root / "_shared" / "orm" / rundir.STAGE_SETTINGS).write_text(json.dumps(orm_settings(cfg)))  # as prepare_orm does
+    for name, loss in (("orm", "mse"), ("orm-bt", "bradley-terry")):  # as prepare_orm does
+        settings = orm_settings(dataclasses.replace(cfg, orm_loss=loss))
+        (root / "_shared" / name / rundir.STAGE_SETTINGS).write_text(json.dumps(settings))
     return root
 
 
@@ -56,7 +60,7 @@ def test_advantage_bias_writes_png_markdown_and_json(bias):
     for ext in ("png", "md", "json"):
         assert (out / f"advantage_bias.{ext}").stat().st_size > 0
     saved = json.loads((out / "advantage_bias.json").read_text())
-    assert saved["tokens"] == result.tokens.tolist() and set(saved["pearson"]) == {"orm", "sft", "pretrained"}
+    assert saved["tokens"] == result.tokens.tolist() and set(saved["pearson"]) == {"orm", "orm-bt", "sft", "pretrained"}
     assert "Pearson" in (out / "advantage_bias.md").read_text()
 
 
@@ -79,6 +83,19 @@ def test_every_critic_and_lambda_has_a_curve_and_the_saved_correlations(bias):
         # Token-level correlations with position differ between lambdas: the sums behind them do.
         assert result.pearson[name][0.95] != result.pearson[name][1.0]
     assert not np.allclose(result.values["orm"], result.values["pretrained"])
+    assert not np.allclose(result.values["orm"], result.values["orm-bt"])
+
+
+def test_offset_moves_the_fresh_head_critic_by_exactly_the_offset(run_root, bias, tmp_path):
+    """--offset is train.py's --critic-init-offset on the SFT + fresh-head critic: its values fall by 2 at
+    every position, so at lambda = 1 its advantages rise by 2; the other critics do not move."""
+    result, _ = bias
+    shifted = run_bias(run_root, tmp_path, offset=-2.0)
+    np.testing.assert_allclose(shifted.values["sft"], result.values["sft"] - 2.0, atol=1e-5)
+    np.testing.assert_allclose(shifted.advantages["sft"][1.0], result.advantages["sft"][1.0] + 2.0, atol=1e-5)
+    for name in ("orm", "orm-bt", "pretrained"):
+        np.testing.assert_allclose(shifted.values[name], result.values[name], atol=1e-6)
+    assert "moved by -2" in (tmp_path / "advantage_bias.md").read_text()
 
 
 def test_lambda_one_advantage_plus_value_is_the_monte_carlo_return_in_every_bin(bias):
@@ -99,7 +116,7 @@ def test_pearson_from_position_sums_equals_numpy_corrcoef():
 
 def test_missing_critic_is_skipped_and_named_in_the_report(run_root, tmp_path):
     result = run_bias(run_root, tmp_path, critic=str(tmp_path / "nowhere"), rollouts=2)
-    assert set(result.skipped) == {"pretrained"} and set(result.values) == {"orm", "sft"}
+    assert set(result.skipped) == {"pretrained"} and set(result.values) == {"orm", "orm-bt", "sft"}
     assert "nowhere" in (tmp_path / "advantage_bias.md").read_text()
 
 
@@ -188,7 +205,8 @@ def test_box_alignment_reads_the_values_around_the_final_box():
 
 def test_orm_quality_and_first_quarter_are_reported(bias):
     result, out = bias
-    q = result.orm_quality["all"]
+    assert set(result.orm_quality) == {"orm", "orm-bt"}  # both reward models, judged on the same rollouts
+    q = result.orm_quality["orm"]["all"]
     share_correct = q["correct"] / q["responses"]
     assert q["responses"] == 6 and q["base_rate"] == pytest.approx(max(share_correct, 1 - share_correct))
     assert q["correct"] == round(result.rollout["accuracy"] * 6)  # the ORM is judged on these rollouts' verdicts

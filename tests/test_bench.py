@@ -55,10 +55,12 @@ def test_rollout_bench_times_a_trained_checkpoint_on_its_tasks_prompts(tmp_path)
                            "--repeats", "1"],
                           capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr
-    *_, hf, fast, last = done.stdout.splitlines()
+    *_, hf, fast, machine, last = done.stdout.splitlines()
     params = f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M"  # the checkpoint's model, not --models'
     assert hf.split()[:3] == ["ckpt", params, "hf"] and 1 <= int(hf.split()[6]) <= 8  # 2 responses of 1-4 tokens
     assert fast.split()[:3] == ["ckpt", params, "hf-fast"]
+    assert re.fullmatch(r"machine: matmul \d+ GFLOP/s, copy [\d.]+ GB/s; the fast path reaches \d+% of the matmul "
+                        r"floor and \d+% of the K/V memory floor", machine), machine
     m = re.fullmatch(r"rollout new_tokens_per_s=(\d+) hf_generate_tokens_per_s=(\d+) speedup=(\S+) floor_fraction=(\S+)", last)
     assert m and float(m[3]) == pytest.approx(int(m[1]) / int(m[2]), abs=0.02) and 0 < float(m[4]) < 1
 
@@ -74,3 +76,13 @@ def test_rollout_floor_counts_the_projections_the_head_and_causal_attention():
                       if isinstance(m, torch.nn.Linear)) - head
     expected = 2 * projections * 4 + 2 * head * 2 + 4 * config.num_hidden_layers * config.hidden_size * 10
     assert rollout_bench.call_flops(config, [3], [2]) == expected
+
+
+def test_rollout_memory_floor_counts_every_key_and_value_read():
+    """The same row: its 4 positions read 1 + 2 + 3 + 4 = 10 keys and as many values, in every layer,
+    each kv_heads x head_dim fp32 numbers."""
+    import rollout_bench
+
+    config = Qwen2Config(**mfu_bench.TINY)
+    per_key = config.num_key_value_heads * (config.hidden_size // config.num_attention_heads) * 4
+    assert rollout_bench.call_kv_bytes(config, [3], [2]) == config.num_hidden_layers * 2 * per_key * 10
