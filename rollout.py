@@ -62,14 +62,20 @@ class RolloutBatch:
     def __len__(self) -> int:
         return self.response_ids.shape[0]
 
-    def model_inputs(self) -> dict[str, torch.Tensor]:
-        """input_ids / attention_mask / position_ids of the whole [B, P + T] sequence."""
+    def model_inputs(self) -> dict[str, torch.Tensor | None]:
+        """input_ids / attention_mask / position_ids of the whole [B, P + T] sequence. Without left
+        padding the mask is None: every pad then comes after the real tokens, so the causal mask
+        alone gives those tokens the same outputs, and SDPA skips the masked half of the scores
+        instead of computing it (a fifth of the time of a forward and backward over
+        640 tokens on a CPU)."""
         attention_mask = torch.cat([self.prompt_mask, self.response_mask.long()], dim=1)
         # Positions count real tokens only, so a left-padded prompt starts at position 0,
         # exactly as in `generate`.
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         input_ids = torch.cat([self.prompt_ids, self.response_ids], dim=1)
-        return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+        left_padded = bool((self.prompt_mask == 0).any())
+        return {"input_ids": input_ids, "attention_mask": attention_mask if left_padded else None,
+                "position_ids": position_ids}
 
     def response_slice(self, outputs: torch.Tensor) -> torch.Tensor:
         """Per-position model outputs [B, P+T, ...] -> the ones that predict response tokens [B, T, ...]."""

@@ -201,3 +201,25 @@ def test_a_fresh_value_head_is_said_in_one_line_and_any_other_missing_tensor_sto
         assert "fresh value head" not in capsys.readouterr().out
     finally:
         logging.getLogger("transformers.modeling_utils").removeHandler(handler)
+
+
+def test_without_left_padding_the_mask_is_dropped_and_real_tokens_keep_their_outputs(policy):
+    """Prompts of one length (the built-in task's): only responses are padded, on the right, so
+    model_inputs passes no mask (SDPA's causal path) and every real token's log-prob is what the
+    padding mask gives; prompts of several lengths keep the mask (their pads come first)."""
+    model, tokenizer, _ = policy
+    engine = HFRollout(model, tokenizer)
+    same_length = [tokenizer(t)["input_ids"] for t in ["+21=\n", "+73=\n", "+10=\n", "+55=\n"]]
+    batch = engine.generate(same_length, max_new_tokens=24, seed=5)
+    for row, length in ((0, 7), (2, 15)):  # two responses end early (a random model rarely says EOS)
+        batch.response_mask[row, length:] = 0
+        batch.response_ids[row, length:] = tokenizer.pad_token_id
+    inputs = batch.model_inputs()
+    assert inputs["attention_mask"] is None
+    masked = {**inputs, "attention_mask": torch.cat([batch.prompt_mask, batch.response_mask.long()], 1)}
+    with torch.no_grad():
+        causal = batch.response_slice(model(**inputs).logits)
+        reference = batch.response_slice(model(**masked).logits)
+    real = batch.response_mask.bool()
+    assert torch.allclose(causal[real], reference[real], atol=1e-6)
+    assert engine.generate(prompts(tokenizer), max_new_tokens=4, seed=5).model_inputs()["attention_mask"] is not None
