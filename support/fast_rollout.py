@@ -11,8 +11,8 @@ arithmetic but what surrounds it (issue 31, measured in bench/rollout_bench.py):
 logits are the model's) and replaces those three through transformers' extension points:
 - `PreallocatedCache`, a `Cache` of `PreallocatedLayer`s: K/V written in place into a buffer
   sized once for the rollout, handed back as views; rows that stop are compacted out of it;
-- `gqa_sdpa_attention`, registered with `AttentionInterface` as "vcppo_gqa_sdpa": attention with the
-  key/value heads shared by their query group, never copied (a decoding step: two matmuls);
+- `gqa_sdpa_attention`, registered with `AttentionInterface` as "vcppo_gqa_sdpa": SDPA with the
+  key/value heads shared by their query group, never copied;
 - the padding masks are built once per rollout and passed as the model's per-layer-type mask
   mapping (the form `generate` uses), so no step rebuilds them.
 Sampling is `generate`'s: temperature, then top-p (as `TopPLogitsWarper`), then a multinomial
@@ -39,26 +39,11 @@ ATTENTION = "vcppo_gqa_sdpa"
 
 
 def gqa_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """Attention over [B, heads, S, D] with the model's additive mask; a key/value head serves its group
-    of query heads in place instead of being repeated. Returns [B, S, heads, D], None.
-
-    A decoding step (S = 1, no dropout) is two batched matmuls: the group's query heads stand in for
-    query positions, so each key/value head is read once for its whole group. On a CPU this is ~3x
-    faster than SDPA's kernel, which is built for blocks of queries, not one. Longer queries (the
-    prompts) go to SDPA with `enable_gqa`."""
-    B, heads, S, D = query.shape
-    kv_heads = key.shape[1]
-    if S > 1 or dropout > 0.0:
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
-                                             scale=scaling, enable_gqa=heads != kv_heads)
-        return out.transpose(1, 2).contiguous(), None
-    scale = D**-0.5 if scaling is None else scaling
-    grouped = query.reshape(B, kv_heads, heads // kv_heads, D)  # [B, kv heads, group, D]
-    scores = torch.matmul(grouped, key.transpose(-1, -2)) * scale  # [B, kv heads, group, keys]
-    if attention_mask is not None:  # [B, 1, 1, keys]: the same for every head
-        scores = scores + attention_mask
-    out = torch.matmul(scores.softmax(-1), value)  # [B, kv heads, group, D]
-    return out.reshape(B, 1, heads, D), None
+    """SDPA over [B, heads, S, D] with the model's additive mask; a key/value head serves its group of
+    query heads in place (`enable_gqa`) instead of being repeated. Returns [B, S, heads, D], None."""
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                         scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register(ATTENTION, gqa_sdpa_attention)

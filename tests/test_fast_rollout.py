@@ -9,7 +9,6 @@ import torch
 
 from support import task
 from dist_workers.common import tiny_actor
-from support import fast_rollout
 from support.fast_rollout import Decoder, FastHFRollout
 from ppo import response_logprobs
 from rollout import HFRollout, left_pad
@@ -115,17 +114,3 @@ def test_hf_fast_is_refused_under_torchrun():
     with pytest.raises(ConfigError, match="rollout.*hf or vllm under torchrun"):
         Config(rollout="hf-fast").validate(world_size=2)
 
-
-def test_decode_step_attention_is_sdpa_with_repeated_key_value_heads():
-    """One query token (a decoding step): the folded-group matmuls give SDPA's output over K/V heads
-    repeated for their query group, with padded keys masked, on 2 key/value heads serving 4 query heads."""
-    g = torch.Generator().manual_seed(0)
-    query, key, value = (torch.randn(3, h, s, 8, generator=g) for h, s in ((4, 1), (2, 7), (2, 7)))
-    mask = torch.zeros(3, 1, 1, 7)
-    mask[1, ..., :3] = float("-inf")  # a left-padded row
-    out, _ = fast_rollout.gqa_sdpa_attention(None, query, key[..., :5, :], value[..., :5, :], mask[..., :5], scaling=0.3)
-    expected = torch.nn.functional.scaled_dot_product_attention(
-        query, key[..., :5, :].repeat_interleave(2, 1), value[..., :5, :].repeat_interleave(2, 1),
-        attn_mask=mask[..., :5], scale=0.3)
-    assert out.shape == (3, 1, 4, 8)
-    assert torch.allclose(out, expected.transpose(1, 2), atol=1e-6)
