@@ -113,4 +113,3 @@ def test_hf_fast_is_refused_under_torchrun():
     Config(rollout="hf-fast").validate(world_size=1)
     with pytest.raises(ConfigError, match="rollout.*hf or vllm under torchrun"):
         Config(rollout="hf-fast").validate(world_size=2)
-
