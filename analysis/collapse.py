@@ -350,8 +350,9 @@ def markdown(m: dict, runs: dict[str, list[ablation.Run]]) -> str:
     def per_seed(arm, key):
         return ", ".join("-" if r[key] is None else str(r[key]) for r in m["runs"][arm])
 
+    flags = " ".join(m.get("train_flags", [])) or "none (the tiny preset)"
     lines = ["# Fig. 1 by intervention on the built-in task: the critic's initial error set by hand", "",
-             f"Seeds {m['seeds']}, mean ± std over seeds. Initial error: mean V(s_t) - G_t over the first batch's "
+             f"train.py flags after `--` for every run: {flags}. Seeds {m['seeds']}, mean ± std over seeds. Initial error: mean V(s_t) - G_t over the first batch's "
              f"tokens (all / first quarter). Advantage at step 0: mean (before whitening) over the last token "
              f"and over the others. Length ratio: lowest {WINDOW}-step mean of the batch-mean length over the first "
              f"step's; accuracy ratio: lowest {WINDOW}-step mean of training accuracy over pi_SFT's held-out pass@1 "
@@ -413,7 +414,7 @@ def main(args: Args, train_flags: list[str]) -> dict:
     if missing and (not args.read_only or len(missing) == sum(map(len, runs.values()))):
         raise SystemExit(f"error: run(s) did not finish, see {', '.join(str(d / 'train.log') for d in missing)}")
     m = measure(runs, args.offset)
-    m["wall_s"] = wall
+    m["wall_s"], m["train_flags"] = wall, list(train_flags)
     m["fig2"] = fig2_by_position(args, runs)
     args.out.mkdir(parents=True, exist_ok=True)
     plot(m, args.out / "collapse.png")
