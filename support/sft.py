@@ -112,9 +112,8 @@ def sft_loss_sum(model, examples: list[tuple[list, list]], pad_id: int) -> torch
     """Summed next-token cross-entropy over response tokens (sequences right-padded)."""
     ids = _pad([e[0] for e in examples], pad_id)
     labels = _pad([e[1] for e in examples], -100)
-    # No padding mask: the pads come after every real token, so the causal mask alone gives those
-    # tokens the same outputs, and SDPA skips the masked half of the scores (RolloutBatch.model_inputs).
-    logits = model(input_ids=ids).logits[:, :-1]
+    mask = _pad([[1] * len(e[0]) for e in examples], 0)
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
     target = labels[:, 1:]
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1),
                            ignore_index=-100, reduction="sum")

@@ -139,22 +139,3 @@ def test_a_cached_pi_sft_is_reused_only_with_the_settings_it_records(tmp_path):
     (cache / "settings.json").unlink()
     with pytest.raises(ConfigError, match="holds no settings.json"):
         sft.prepare_sft(SimpleNamespace(model=None, out_dir=str(tmp_path), sft_steps=2, task_length="short"))
-
-
-def test_sft_loss_without_a_padding_mask_is_the_masked_loss():
-    """Sequences of several lengths, right-padded: the loss the causal mask alone gives (sft_loss_sum)
-    is the one the padding mask gives."""
-    import torch.nn.functional as F
-
-    from support.sft import _pad, sft_loss_sum
-
-    tokenizer = task.build_tokenizer()
-    model = task.make_tiny_model(tokenizer, num_layers=2, intermediate_size=256)
-    examples = [([5, 6, 7, 8, 9, 10], [-100, -100, 7, 8, 9, 10]), ([5, 6, 7], [-100, 6, 7]), ([4, 5], [-100, 5])]
-    ids, labels = _pad([e[0] for e in examples], tokenizer.pad_token_id), _pad([e[1] for e in examples], -100)
-    mask = _pad([[1] * len(e[0]) for e in examples], 0)
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
-        masked = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100,
-                                 reduction="sum")
-        assert torch.allclose(sft_loss_sum(model, examples, tokenizer.pad_token_id), masked, atol=1e-5)
