@@ -50,7 +50,7 @@ from reward import Grader
 CRITICS = ("orm", "orm-bt", "sft", "pretrained")
 LABELS = {"orm": "ORM-initialised", "orm-bt": "Bradley-Terry RM", "sft": "SFT + fresh head",
           "pretrained": "value-pretrained (§3.2)"}
-REWARD_MODELS = ("orm", "orm-bt")  # judged as reward models too (AUC on these rollouts)
+REWARD_MODELS = {"orm": "mse", "orm-bt": "bradley-terry"}  # critic -> train.py's --orm-loss; judged as reward models too
 
 
 @dataclass
@@ -116,23 +116,31 @@ def default_paths(args: Args, cfg) -> dict[str, str]:
     """Where train.py writes (or wrote) pi_SFT and each critic, unless a flag names another path."""
     return {
         "sft": args.sft or cfg.model or sft_cache_path(cfg),
-        "orm": args.orm or orm_path(dataclasses.replace(cfg, orm_loss="mse")),
-        "orm-bt": args.orm_bt or orm_path(bradley_terry(cfg)),
+        **{name: given or orm_path(reward_model_settings(cfg, name)) for name, given in given_reward_models(args).items()},
         "pretrained": args.critic or os.path.join(cfg.out_dir, cfg.run_name, "value_pretrain", "critic"),
     }
 
 
-def bradley_terry(cfg):
-    """The run's settings with train.py's --orm-loss bradley-terry (where its reward model is cached)."""
-    return dataclasses.replace(cfg, orm_loss="bradley-terry")
+def given_reward_models(args: Args) -> dict[str, str | None]:
+    """Reward model -> the path a flag gave it (None: train.py's cache)."""
+    return {"orm": args.orm, "orm-bt": args.orm_bt}
+
+
+def reward_model_settings(cfg, name: str):
+    """The run's settings with the --orm-loss of reward model `name`: where train.py caches it, what it checks."""
+    return dataclasses.replace(cfg, orm_loss=REWARD_MODELS[name])
+
+
+def critic_label(name: str, offset: float) -> str:
+    """A critic's name in figures and tables; the fresh-head critic's carries the offset it was moved by."""
+    return LABELS[name] + (f" (offset {offset:+g})" if name == "sft" and offset else "")
 
 
 def build_missing(args: Args, cfg, paths: dict, sampler: Sampler, records) -> None:
     """--build: train.py's ORM (both losses) and value-pretraining stages (SFT is built before the engine exists)."""
-    if args.orm is None:
-        prepare_orm(dataclasses.replace(cfg, orm_loss="mse"), paths["sft"], sampler, records)
-    if args.orm_bt is None:
-        prepare_orm(bradley_terry(cfg), paths["sft"], sampler, records)
+    for name, given in given_reward_models(args).items():
+        if given is None:
+            prepare_orm(reward_model_settings(cfg, name), paths["sft"], sampler, records)
     if args.critic is None and not os.path.exists(paths["pretrained"]) and cfg.value_pretrain_steps > 0:
         run_dir = rundir.prepare(cfg)  # the run directory records the settings of what goes in it
         critic_init = paths["sft"] if cfg.critic_init == "sft" else prepare_orm(cfg, paths["sft"], sampler, records)
@@ -310,7 +318,7 @@ def plot(r: BiasResult, path: Path) -> None:
     for i, name in enumerate(CRITICS):
         if name not in r.values:
             continue
-        label = LABELS[name] + (f" {r.offset:+g}" if name == "sft" and r.offset else "")
+        label = critic_label(name, r.offset)
         for j, (lam, adv) in enumerate(r.advantages[name].items()):
             adv_ax.plot(x, adv, styles[j % 4], color=f"C{i}", marker="o", ms=3, label=f"{label}, λ={lam:g}")
         val_ax.plot(x, r.values[name], color=f"C{i}", marker="o", ms=3, label=label)
@@ -420,10 +428,9 @@ def main(args: Args, train_argv: list[str] = ()) -> BiasResult:
     cfg = parse_config(list(train_argv))
     if args.critic is None:
         rundir.check(cfg)  # the run's value-pretrained critic belongs to the settings in its config.json
-    if args.orm is None:
-        check_orm(dataclasses.replace(cfg, orm_loss="mse"))  # train.py's cached ORMs were trained with these flags' settings
-    if args.orm_bt is None:
-        check_orm(bradley_terry(cfg))
+    for name, given in given_reward_models(args).items():
+        if given is None:
+            check_orm(reward_model_settings(cfg, name))  # train.py's cached ones were trained with these flags' settings
     paths = default_paths(args, cfg)
     if args.build and args.sft is None:
         paths["sft"] = prepare_sft(cfg)  # train.py's SFT stage (cached)

@@ -257,10 +257,10 @@ def fig2_by_position(args: Args, runs: dict[str, list[ablation.Run]]) -> dict | 
     out = {}
     for name, adv in r.advantages.items():
         error = float(((r.values[name] - r.mc_return) * r.tokens).sum() / r.tokens.sum())  # mean V(s_t) - G_t
-        out[name] = {"label": advantage_bias.LABELS[name], "error": error, "bin_start": r.bin_start.tolist(),
-                     "advantage": adv[0.95].tolist() if 0.95 in adv else None,
+        out[name] = {"label": advantage_bias.critic_label(name, args.offset), "error": error,
+                     "bin_start": r.bin_start.tolist(), "advantage": adv[0.95].tolist() if 0.95 in adv else None,
                      "first_quarter": {str(lam): list(ms) for lam, ms in r.first_quarter[name].items()}}
-    return {"seed": vc.seed, "responses": r.rollout["responses"], "offset": args.offset, "critics": out,
+    return {"seed": vc.seed, "responses": r.rollout["responses"], "critics": out,
             "tokens": r.tokens.tolist(), "skipped": r.skipped}
 
 
@@ -321,10 +321,10 @@ def plot(m: dict, path: Path) -> None:
     ax = axes[5]  # Fig. 2 by position (analysis/advantage_bias.py)
     if m.get("fig2"):
         f2 = m["fig2"]
-        for name, c in f2["critics"].items():
+        for c in f2["critics"].values():
             if c["advantage"] is not None:
-                text = c["label"] + (f" {f2['offset']:+g}" if name == "sft" else "")
-                ax.plot(np.array(c["bin_start"]), c["advantage"], marker="o", ms=2, label=f"{text} (error {c['error']:+.2f})")
+                ax.plot(np.array(c["bin_start"]), c["advantage"], marker="o", ms=2,
+                        label=f"{c['label']}, error {c['error']:+.2f}")
         ax.axhline(0, color="black", lw=0.5)
         ax.set(xlabel="response token position t", ylabel="mean advantage, lambda 0.95",
                title=f"Fig. 2 by position: {f2['responses']} pi_SFT responses (advantage_bias.py)")
@@ -391,10 +391,9 @@ def markdown(m: dict, runs: dict[str, list[ablation.Run]]) -> str:
                   "mean V(s_t) - G_t over all tokens; mean advantage over each response's first quarter ± SE over "
                   "responses:", "", "| critic | error | first quarter, lambda 0.95 | first quarter, lambda 1.0 |",
                   "|---|---|---|---|"]
-        for name, c in f2["critics"].items():
+        for c in f2["critics"].values():
             fq = {lam: f"{mean:+.3f} ± {se:.3f}" for lam, (mean, se) in c["first_quarter"].items()}
-            text = c["label"] + (f" (offset {f2['offset']:+g})" if name == "sft" else "")
-            lines.append(f"| {text} | {c['error']:+.3f} | {fq.get('0.95', '-')} | {fq.get('1.0', '-')} |")
+            lines.append(f"| {c['label']} | {c['error']:+.3f} | {fq.get('0.95', '-')} | {fq.get('1.0', '-')} |")
         lines += [f"- {advantage_bias.LABELS[n]}: skipped, {why}" for n, why in f2["skipped"].items()]
     walls = [r["wall_s"] for rows in m["runs"].values() for r in rows if r["wall_s"] is not None]
     lines += ["", "Goal checks:", "", *[f"- {g}" for g in m["goals"]], ""]
