@@ -30,7 +30,7 @@ import fsdp_utils
 from support import memory_plan
 from support import preemption
 from support import rundir
-from support.config import Config, ConfigError, launch_world_size, parse_config
+from support.config import Config, ConfigError, cpu_threads, launch_world_size, parse_config
 from critic import check_orm, critic_loss, load_value_model, prepare_orm, response_values
 from support.data import DataError, prepare_data, sample_prompts, stream_seed
 from evaluate import eval_sampler, evaluate, evaluate_once, val_metrics
@@ -297,7 +297,7 @@ def main(cfg: Config) -> dict:
     except ValueError as err:
         raise ConfigError(str(err)) from None
     dist_info = fsdp_utils.init_distributed()
-    torch.set_num_threads(cfg.threads)
+    torch.set_num_threads(cpu_threads(cfg))
     torch.manual_seed(cfg.seed)
     with rundir.locked(cfg) as run_dir, preemption.handled(lambda: left_behind(run_dir)):
         return run(cfg, dist_info)

@@ -43,7 +43,7 @@ from tqdm import tqdm
 
 from support import rundir
 from analysis import run_cli
-from support.config import Config, check_settings, parse_config
+from support.config import Config, check_settings, parse_config, usable_cores
 from critic import orm_path
 from support.sft import sft_cache_path
 
@@ -82,7 +82,7 @@ class Args:
     seeds: tuple[int, ...] = (0, 1, 2)
     """seeds of every variant"""
     jobs: int = 2
-    """train.py processes at once (each uses one torch thread)"""
+    """train.py processes at once (each gets an equal share of the cores unless --threads is given)"""
     quick: bool = False
     """a <= 10 minute version: ppo and vc-ppo x 2 seeds, 10 PPO steps, a smaller ORM, in runs/ablation-quick"""
     read_only: bool = False
@@ -128,12 +128,14 @@ def plan_runs(args: Args, train_flags: list[str]) -> list[Run]:
     return runs
 
 
-def execute(run: Run) -> tuple[Run, float, int]:
-    """train.py in a child process (log in <run>/train.log); --resume continues a stopped run."""
+def execute(run: Run, threads: int) -> tuple[Run, float, int]:
+    """train.py in a child process (log in <run>/train.log) with `threads` torch threads unless its
+    flags set them; --resume continues a stopped run."""
     run.dir.mkdir(parents=True, exist_ok=True)
     start = time.time()
+    share = ["--threads", str(threads)] if run.config.threads is None else []
     with open(run.dir / "train.log", "a") as log:
-        code = subprocess.call([sys.executable, str(TRAIN), *run.flags, "--resume"],
+        code = subprocess.call([sys.executable, str(TRAIN), *run.flags, *share, "--resume"],
                                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "TQDM_MININTERVAL": "30"})
     wall = time.time() - start
     (run.dir / "ablation_run.json").write_text(json.dumps(
@@ -169,6 +171,7 @@ def run_grid(runs: list[Run], jobs: int, out_dir: str) -> tuple[float, list[Run]
         orm = orm_of.get(id(run))
         return orm is None or orm.is_dir() or orm_builders[orm] is run or stopped(orm_builders[orm])
 
+    threads = max(1, usable_cores() // jobs)  # the runs side by side share the cores
     bar = tqdm(total=len(todo), desc="ablation runs", dynamic_ncols=True)
     if sft_builder is not None:
         bar.set_postfix_str(f"{sft_builder.dir.name} builds the shared pi_SFT")
@@ -176,7 +179,7 @@ def run_grid(runs: list[Run], jobs: int, out_dir: str) -> tuple[float, list[Run]
         waiting = todo
         while waiting:
             ready_now = [r for r in waiting if ready(r)]  # queued in order: a builder first
-            futures |= {id(r): pool.submit(execute, r) for r in ready_now}
+            futures |= {id(r): pool.submit(execute, r, threads) for r in ready_now}
             waiting = [r for r in waiting if r not in ready_now]
             if waiting:
                 time.sleep(CACHE_POLL_S)

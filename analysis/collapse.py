@@ -81,7 +81,7 @@ class Args:
     out_dir: str = "runs/collapse"
     """train.py's --out-dir for the runs (its _shared/ holds pi_SFT and the reward models)"""
     jobs: int = 2
-    """train.py processes at once (each uses --threads torch threads)"""
+    """train.py processes at once (each gets an equal share of the cores unless --threads is given after --)"""
     read_only: bool = False
     """only read finished runs, never start train.py; an arm reports the seeds that finished"""
 

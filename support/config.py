@@ -38,8 +38,9 @@ class Config:
     """continue from <run_dir>/checkpoint if it exists"""
     plan: bool = False
     """print the per-GPU memory plan for this config and world size, then exit"""
-    threads: int = 1
-    """torch CPU threads per process (tiny models run fastest on one; more contend with the grader)"""
+    threads: int | None = None
+    """torch CPU threads per process; None: the cores this process may run on, shared among the
+    processes torchrun starts on this machine (analysis grids that run --jobs at once give each its share)"""
 
     # --- model and data
     model: str | None = None
@@ -315,7 +316,7 @@ class Config:
             "eval_samples": (self.eval_samples >= 1, ">= 1"),
             "eval_fraction": (0.0 < self.eval_fraction < 1.0, "in (0, 1)"),
             "save_every": (self.save_every >= 1, ">= 1"),
-            "threads": (self.threads >= 1, ">= 1"),
+            "threads": (self.threads is None or self.threads >= 1, ">= 1, or unset"),
             "sft_steps": (self.sft_steps is None or self.sft_steps >= 1, ">= 1, or unset"),
             # A directory of its own under out_dir; _shared holds the caches (pi_SFT, ORM).
             "run_name": (self.run_name is None or (self.run_name not in ("", ".", "..", "_shared")
@@ -424,6 +425,19 @@ def launch_world_size(cfg: Config) -> int:
     from support import memory_plan
 
     return int(os.environ.get("WORLD_SIZE", memory_plan.target(cfg.preset).gpus if cfg.plan else 1))
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (macOS has no affinity: all of them)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def cpu_threads(cfg: Config) -> int:
+    """--threads, or unset: the usable cores over the processes torchrun started on this machine
+    (LOCAL_WORLD_SIZE), at least one."""
+    if cfg.threads is not None:
+        return cfg.threads
+    return max(1, usable_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
 
 
 def parse_config(argv: list[str], description: str | None = None) -> Config:

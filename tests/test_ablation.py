@@ -136,7 +136,7 @@ def test_runs_waiting_for_the_shared_stages_start_once_what_they_read_is_built(t
         with lock:
             events.append(what)
 
-    def fake_execute(run):
+    def fake_execute(run, threads):
         log(f"start {run.dir.name}")
         if run.dir.name == "ablation__ppo__seed0":
             for stage in (sft, orm):
@@ -158,3 +158,18 @@ def test_runs_waiting_for_the_shared_stages_start_once_what_they_read_is_built(t
     for seed in (0, 1):
         assert at[f"built {sft.name}"] < at[f"start ablation__vc-ppo__seed{seed}"] < at[f"built {orm.name}"]
     assert at[f"built {orm.name}"] < at["start ablation__ppo__seed1"] < at["end ablation__ppo__seed0"]
+
+
+def test_runs_side_by_side_share_the_cores_unless_their_flags_set_threads(tmp_path, monkeypatch):
+    """Each run of a grid gets cores // jobs torch threads (two runs on two cores must not spin four
+    threads against each other); one whose flags give --threads keeps its own."""
+    calls = []
+    monkeypatch.setattr(ablation.subprocess, "call", lambda argv, **kw: calls.append(argv) or 0)
+    monkeypatch.setattr(ablation, "usable_cores", lambda: 4)
+    args = ablation.Args(out_dir=str(tmp_path), variants=("ppo",), seeds=(0,))
+    (Path(tmp_path) / "_shared" / "sft").mkdir(parents=True)  # no builder: the runs start at once
+    runs = ablation.plan_runs(args, []) + ablation.plan_runs(dataclasses.replace(args, seeds=(1,)), ["--threads", "3"])
+    ablation.run_grid(runs, jobs=2, out_dir=str(tmp_path))
+    by_seed = {argv[argv.index("--seed") + 1]: argv for argv in calls}
+    assert by_seed["0"][by_seed["0"].index("--threads") + 1] == "2"
+    assert by_seed["1"].count("--threads") == 1 and by_seed["1"][by_seed["1"].index("--threads") + 1] == "3"

@@ -349,6 +349,19 @@ def test_bad_config_values_fail_at_start_naming_the_field(flag, value):
         config.parse_config([flag, value])
 
 
+def test_threads_default_to_the_usable_cores_shared_among_the_local_ranks(monkeypatch):
+    monkeypatch.setattr(config, "usable_cores", lambda: 8)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert config.cpu_threads(config.parse_config([])) == 8
+    assert config.cpu_threads(config.parse_config(["--threads", "1"])) == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")  # torchrun: 3 ranks on this machine
+    assert config.cpu_threads(config.parse_config([])) == 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
+    assert config.cpu_threads(config.parse_config([])) == 1
+    with pytest.raises(config.ConfigError, match="--threads"):
+        config.parse_config(["--threads", "0"])
+
+
 def test_batch_must_split_evenly_over_ranks_and_mini_batches(monkeypatch):
     """Uneven shares would run different numbers of micro-batches per rank: collectives out of step."""
     flags = ["--prompts-per-step", "6", "--samples-per-prompt", "2", "--num-minibatches", "3"]
