@@ -17,9 +17,10 @@ logits are the model's) and replaces those three through transformers' extension
   mapping (the form `generate` uses), so no step rebuilds them.
 Sampling is `generate`'s: temperature, then top-p (as `TopPLogitsWarper`), then a multinomial
 draw; temperature 0 is greedy. It draws from its own generator seeded with the seed, so the same
-seed gives the same batch and the global RNG is left alone. One process only: under torchrun the
-ranks' rows would stop at different steps, calling FSDP's collectives out of step (`HFRollout`'s
-`generate` keeps them in step), so config.py refuses hf-fast there. Log-probs, finish reasons and the
+seed gives the same batch and the global RNG is left alone; under torchrun each rank draws from
+seed + rank, as `HFRollout` does. There FSDP's all-gathers pair up across ranks, so every rank steps
+until the last row of every rank has stopped: a rank whose rows have all stopped keeps one of them
+decoding, unrecorded (what `generate`'s `synced_gpus` does). Log-probs, finish reasons and the
 `RolloutBatch` layout are `HFRollout`'s (rollout.py).
 """
 
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from fsdp_utils import world_size
+from fsdp_utils import any_rank, rank
 from rollout import HFRollout, RolloutBatch, probabilities_checked
 
 ATTENTION = "vcppo_gqa_sdpa"
@@ -198,12 +199,10 @@ class FastHFRollout(HFRollout):
         device = ids.device
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if world_size() > 1:  # ranks stopping at different steps would call FSDP's all-gathers out of step
-            raise RuntimeError("FastHFRollout decodes in one process; under torchrun use HFRollout")
         # A seed makes the rollout a function of (seed, weights, prompts): resumed runs replay exactly.
         # Without one, torch's RNG picks it (so torch.manual_seed still makes runs repeatable).
         generator = torch.Generator(device)
-        generator.manual_seed(int(torch.randint(0, 2**62, ())) if seed is None else seed)
+        generator.manual_seed(int(torch.randint(0, 2**62, ())) if seed is None else seed + rank())
         B = len(ids)
         response = torch.full((B, max_new_tokens), self.pad_id, dtype=torch.long, device=device)
         logprobs = torch.zeros(B, max_new_tokens, device=device)
@@ -212,24 +211,26 @@ class FastHFRollout(HFRollout):
         was_training = model.training
         model.eval()
         decoder = Decoder(model, ids, mask, max_new_tokens)
-        logits = decoder.logits
+        logits, done = decoder.logits, False  # done: every row of this rank has stopped
         for t in range(max_new_tokens):
-            tokens, token_logprobs = sample_tokens(logits, temperature, top_p, generator)
-            response[rows, t], logprobs[rows, t] = tokens, token_logprobs
-            stopped = tokens == self.eos_id
-            if t + 1 == max_new_tokens:
+            if not done:
+                tokens, token_logprobs = sample_tokens(logits, temperature, top_p, generator)
+                response[rows, t], logprobs[rows, t] = tokens, token_logprobs
+                stopped = tokens == self.eos_id
+                if stopped.any():
+                    lengths[rows[stopped]] = t + 1
+                    going = (~stopped).nonzero().squeeze(1)
+                    done = len(going) == 0
+                    if done:  # one row decodes on, unrecorded, while another rank's rows still go
+                        going = going.new_zeros(1)
+                    else:  # the rows left fill the places of those that stopped from the end: the fewest move
+                        order, n = torch.arange(len(stopped), device=device), len(going)
+                        order[stopped[:n].nonzero().squeeze(1)] = going[going >= n]
+                        going = order[:n]
+                    rows, tokens = rows[going], tokens[going]
+                    decoder.keep(going)
+            if t + 1 == max_new_tokens or not any_rank(not done):  # one process: its own flag
                 break
-            if stopped.any():
-                lengths[rows[stopped]] = t + 1
-                going = (~stopped).nonzero().squeeze(1)
-                if len(going) == 0:
-                    break
-                # The rows left fill the places of those that stopped from the end: the fewest move.
-                order, n = torch.arange(len(stopped), device=device), len(going)
-                order[stopped[:n].nonzero().squeeze(1)] = going[going >= n]
-                going = order[:n]
-                rows, tokens = rows[going], tokens[going]
-                decoder.keep(going)
             logits = decoder.step(tokens)
         model.train(was_training)
         width = int(lengths.max())  # as `generate`: as wide as the longest response

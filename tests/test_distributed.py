@@ -26,7 +26,8 @@ WEIGHT_ATOL = 1e-5
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("fsdp")
-    return run_torchrun("fsdp_worker.py", str(out_dir))[0] | {"out_dir": out_dir}
+    ranks = run_torchrun("fsdp_worker.py", str(out_dir))
+    return ranks[0] | {"out_dir": out_dir, "rank1": ranks[1]}
 
 
 @pytest.mark.slow
@@ -58,6 +59,16 @@ def test_whitening_and_metrics_cover_every_ranks_rows(fsdp_run):
 @pytest.mark.slow
 def test_hf_sampling_draws_differently_on_each_rank(fsdp_run):
     assert fsdp_run["sampling"]["ranks_differ"]
+
+
+@pytest.mark.slow
+def test_fast_decode_loop_keeps_ranks_in_step_and_gives_generates_rows(fsdp_run):
+    """Rank 0's rows stop at 7 tokens, rank 1's at 24: rank 0 must keep calling the sharded forward
+    (FSDP's all-gathers pair up) until rank 1 is done, or the run would hang, not finish."""
+    ranks = [fsdp_run["fast_rollout"], fsdp_run["rank1"]["fast_rollout"]]
+    assert [r["width"] for r in ranks] == [7, 24]
+    assert all(r["tokens_equal"] and r["logprobs_max_diff"] < 1e-5 for r in ranks)
+    assert ranks[0]["drawn"] != ranks[1]["drawn"]  # seed + rank
 
 
 @pytest.mark.slow

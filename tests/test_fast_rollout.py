@@ -105,11 +105,3 @@ def test_samples_follow_the_distribution_of_generates():
     for column in (lambda b: b.response_ids[:, 0], lambda b: b.response_ids[:, 3], lambda b: b.lengths):
         fast, reference = (Counter(column(b).tolist()) for b in samples)
         assert chi_square_p(fast, reference) > 1e-3
-
-
-def test_hf_fast_is_refused_under_torchrun():
-    from support.config import Config, ConfigError
-
-    Config(rollout="hf-fast").validate(world_size=1)
-    with pytest.raises(ConfigError, match="rollout.*hf or vllm under torchrun"):
-        Config(rollout="hf-fast").validate(world_size=2)

@@ -13,6 +13,9 @@
    rotary buffers are recomputed, outputs equal the unsharded model's; bad checkpoints are named.
 7. The outcome reward model's training (critic.train_orm) on each rank's half of a batch, for the
    test to compare with one process on the whole batch.
+8. The fast decode loop (`--rollout hf-fast`) on the sharded actor: rank 0's greedy rows stop after
+   7 tokens, rank 1's run to the limit, so rank 0 keeps stepping after its last row stopped; each
+   rank's rows equal `generate`'s, and a seed draws differently on each rank.
 Each rank writes rank<r>.json into argv[1]; the test asserts on the numbers.
 """
 
@@ -253,6 +256,21 @@ export_hf_checkpoint(orm, None, os.path.join(out_dir, "orm_init"))
 history = train_orm(orm, [orm_batch(mine)], [ORM_LABELS[mine]], steps=3, lr=1e-3)
 export_hf_checkpoint(orm, None, os.path.join(out_dir, "orm_trained"))
 result["orm"] = [[h["orm/loss"], h["orm/sign_accuracy"], h["orm/grad_norm"]] for h in history]
+
+# 8. The fast decode loop on the sharded actor, ranks stopping at different steps.
+from support.fast_rollout import FastHFRollout  # noqa: E402
+
+policy = sharded_actor()
+greedy_prompts = [tokenizer("+2=\n" if info.rank == 0 else "+17+4=\n")["input_ids"]] * 2  # stop at 7 / 24 tokens
+fast = FastHFRollout(policy, tokenizer).generate(greedy_prompts, 24, temperature=0)
+ref = HFRollout(policy, tokenizer).generate(greedy_prompts, 24, temperature=0)
+drawn = FastHFRollout(policy, tokenizer).generate([[5, 6, 7]] * 8, max_new_tokens=8, seed=123).response_ids
+result["fast_rollout"] = {
+    "width": fast.response_ids.shape[1],
+    "tokens_equal": torch.equal(fast.response_ids, ref.response_ids) and fast.finish_reasons == ref.finish_reasons,
+    "logprobs_max_diff": (fast.logprobs - ref.logprobs).abs().max().item(),
+    "drawn": drawn.tolist(),
+}
 write_result(out_dir, info.rank, result)
 close_distributed()
 exit_now_if_gloo()
