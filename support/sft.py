@@ -354,8 +354,9 @@ class Args(SFTConfig):
     """seed of the held-out problems and of sampling"""
     eval_max_new_tokens: int = 400
     """response limit of the report's samples (the long task needs train.py's 600)"""
-    threads: int = 1
-    """torch CPU threads: on a shared 2-core machine 2 threads can be many times slower than 1"""
+    threads: int | None = None
+    """torch CPU threads; None: every core this process may use (on a machine shared with other
+    jobs, 1 can be many times faster than contending for busy cores)"""
     grader_timeout_s: float = 5.0
     """a sample of the report whose grading takes longer counts as wrong"""
 
@@ -363,8 +364,10 @@ class Args(SFTConfig):
 if __name__ == "__main__":
     import tyro
 
+    from support.config import usable_cores
+
     args = tyro.cli(Args)
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads or usable_cores())
     train_sft(args)
     print(f"SFT: saved to {args.out_dir}")
     if args.eval_problems:

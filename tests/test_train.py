@@ -89,7 +89,6 @@ def test_the_first_steps_numbers_are_recomputed_from_what_the_run_saved(out_dir,
     from critic import load_value_model, response_values
     from support.masked import masked_mean
     from reward import Grader
-    from rollout import HFRollout
     from sampling import Sampler
     from support.data import prepare_data, sample_prompts, stream_seed
 
@@ -99,7 +98,7 @@ def test_the_first_steps_numbers_are_recomputed_from_what_the_run_saved(out_dir,
     tokenizer, actor = AutoTokenizer.from_pretrained(sft), AutoModelForCausalLM.from_pretrained(sft)
     records, _ = prepare_data(cfg, tokenizer)
     with Grader(num_workers=1) as grader:
-        scored = Sampler(cfg, HFRollout(actor, tokenizer), tokenizer, grader).sample_and_score(
+        scored = Sampler(cfg, train.build_engine(cfg, actor, sft, tokenizer), tokenizer, grader).sample_and_score(
             sample_prompts(records, cfg, 0, stream="ppo"), seed=stream_seed(cfg.seed, "ppo/sampling", 0))
     values = response_values(load_value_model(str(run_dir / "value_pretrain" / "critic")), scored.batch)
     row = read_metrics(run_dir)[0]
