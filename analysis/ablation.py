@@ -39,13 +39,14 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
+import torch
 from tqdm import tqdm
 
 from support import rundir
 from analysis import run_cli
 from support.config import Config, check_settings, parse_config, usable_cores
 from critic import orm_path
-from support.sft import sft_cache_path
+from support.sft import prepare_sft, sft_cache_path
 
 TRAIN = Path(__file__).resolve().parents[1] / "train.py"
 CACHE_POLL_S = 10  # how often run_grid looks for the shared stages the waiting runs read
@@ -144,37 +145,30 @@ def execute(run: Run, threads: int) -> tuple[Run, float, int]:
 
 
 def run_grid(runs: list[Run], jobs: int, out_dir: str) -> tuple[float, list[Run]]:
-    """Runs what is missing, `jobs` at a time; returns the wall time and the runs that failed. When the
-    shared pi_SFT is missing, one run builds it first (a critic-from-ORM run, which builds its ORM
-    too); each missing ORM (MSE, Bradley-Terry) is built by the first run that reads it. Each other
-    run starts as soon as the shared stages it reads are built, or once their builders have stopped."""
+    """Runs what is missing, `jobs` at a time; returns the wall time and the runs that failed. A
+    missing shared pi_SFT is trained first, here, on every core (every run reads it: they could only
+    wait); each missing ORM (MSE, Bradley-Terry) is built by the first run that reads it, and the
+    other runs that read it start once it is built, or once its builder has stopped."""
     todo = [r for r in runs if not r.done]
     failed, start = [], time.time()
     if not todo:
         return 0.0, failed
-    sft_cache = Path(sft_cache_path(todo[0].config))
+    build_missing_sft([r.config for r in todo])
     orm_of = {id(r): Path(orm_path(r.config)) for r in todo if r.config.critic_init == "rm" and r.config.estimator == "gae"}
-    todo.sort(key=lambda r: id(r) not in orm_of)  # a critic-from-ORM run builds both caches
-    sft_builder = None if sft_cache.is_dir() else todo[0]
+    todo.sort(key=lambda r: id(r) not in orm_of)  # ORM builders first
     orm_builders = {}  # ORM path -> the run that builds it
     for r in todo:
         if id(r) in orm_of and not orm_of[id(r)].is_dir():
             orm_builders.setdefault(orm_of[id(r)], r)
     futures = {}  # id(run) -> its future
-    stopped = lambda run: run is None or (id(run) in futures and futures[id(run)].done())  # noqa: E731
+    stopped = lambda run: id(run) in futures and futures[id(run)].done()  # noqa: E731
 
     def ready(run: Run) -> bool:  # build_once renames a finished stage into place, so a directory is whole
-        if run is sft_builder:
-            return True
-        if not (sft_cache.is_dir() or stopped(sft_builder)):
-            return False
         orm = orm_of.get(id(run))
         return orm is None or orm.is_dir() or orm_builders[orm] is run or stopped(orm_builders[orm])
 
     threads = max(1, usable_cores() // jobs)  # the runs side by side share the cores
     bar = tqdm(total=len(todo), desc="ablation runs", dynamic_ncols=True)
-    if sft_builder is not None:
-        bar.set_postfix_str(f"{sft_builder.dir.name} builds the shared pi_SFT")
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         waiting = todo
         while waiting:
@@ -183,7 +177,6 @@ def run_grid(runs: list[Run], jobs: int, out_dir: str) -> tuple[float, list[Run]
             waiting = [r for r in waiting if r not in ready_now]
             if waiting:
                 time.sleep(CACHE_POLL_S)
-        bar.set_postfix_str("")
         for future in as_completed(futures.values()):
             run, wall, code = future.result()
             failed.extend([run] if code else [])
@@ -191,6 +184,20 @@ def run_grid(runs: list[Run], jobs: int, out_dir: str) -> tuple[float, list[Run]
             tqdm.write(f"{run.dir.name}: {'done' if code == 0 else f'FAILED (exit {code})'} in {wall:.0f} s")
     bar.close()
     return time.time() - start, failed
+
+
+def build_missing_sft(configs: list[Config]) -> None:
+    """Train each built-in-task pi_SFT these runs read and that is not cached yet (train.py's own
+    stage, `prepare_sft`), in this process on every usable core."""
+    missing = {sft_cache_path(c): c for c in configs if c.model is None and not Path(sft_cache_path(c)).is_dir()}
+    before = torch.get_num_threads()
+    torch.set_num_threads(usable_cores())
+    try:
+        for path, cfg in missing.items():
+            tqdm.write(f"training the shared pi_SFT ({path}) before the runs, on {usable_cores()} cores")
+            prepare_sft(cfg)
+    finally:
+        torch.set_num_threads(before)
 
 
 def load(run: Run) -> dict:

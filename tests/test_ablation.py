@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from support import config
 from analysis import ablation
@@ -125,9 +126,9 @@ def test_each_band_has_its_lines_colour(tmp_path, monkeypatch):
 
 
 def test_runs_waiting_for_the_shared_stages_start_once_what_they_read_is_built(tmp_path, monkeypatch):
-    """The builder (a critic-from-ORM run) builds pi_SFT, then the ORM, then trains; a run from
-    pi_SFT starts once pi_SFT is there, another critic-from-ORM run once the ORM is, both before
-    the builder ends."""
+    """pi_SFT is trained first, in the grid's process on every core; then the ORM builder (a
+    critic-from-ORM run) and the runs from pi_SFT start at once, and the other critic-from-ORM run
+    once the ORM is built, before the builder ends."""
     runs = ablation.plan_runs(ablation.Args(out_dir=str(tmp_path), variants=("ppo", "vc-ppo"), seeds=(0, 1)), [])
     sft, orm = Path(ablation.sft_cache_path(runs[0].config)), Path(ablation.orm_path(runs[0].config))
     events, lock = [], threading.Lock()
@@ -136,28 +137,36 @@ def test_runs_waiting_for_the_shared_stages_start_once_what_they_read_is_built(t
         with lock:
             events.append(what)
 
+    def fake_prepare_sft(cfg):
+        log(f"built {sft.name} on {torch.get_num_threads()} threads")
+        sft.mkdir(parents=True)
+
     def fake_execute(run, threads):
         log(f"start {run.dir.name}")
         if run.dir.name == "ablation__ppo__seed0":
-            for stage in (sft, orm):
-                time.sleep(0.2)
-                log(f"built {stage.name}")
-                stage.mkdir(parents=True)
+            time.sleep(0.2)
+            log(f"built {orm.name}")
+            orm.mkdir(parents=True, exist_ok=True)
             deadline = time.time() + 10
             while sum(e.startswith("start") for e in events) < len(runs) and time.time() < deadline:
                 time.sleep(0.01)  # trains until the others have started
         log(f"end {run.dir.name}")
         return run, 0.0, 0
 
+    monkeypatch.setattr(ablation, "prepare_sft", fake_prepare_sft)
+    monkeypatch.setattr(ablation, "usable_cores", lambda: 3)
     monkeypatch.setattr(ablation, "execute", fake_execute)
     monkeypatch.setattr(ablation, "CACHE_POLL_S", 0.01)
+    threads_before = torch.get_num_threads()
     _, failed = ablation.run_grid(runs, jobs=len(runs), out_dir=str(tmp_path))
-    assert not failed
+    assert not failed and torch.get_num_threads() == threads_before
     at = {e: i for i, e in enumerate(events)}
-    assert at["start ablation__ppo__seed0"] == 0
+    assert at[f"built {sft.name} on 3 threads"] == 0 and at["start ablation__ppo__seed0"] == 1
     for seed in (0, 1):
-        assert at[f"built {sft.name}"] < at[f"start ablation__vc-ppo__seed{seed}"] < at[f"built {orm.name}"]
+        assert at[f"start ablation__vc-ppo__seed{seed}"] < at[f"built {orm.name}"]
     assert at[f"built {orm.name}"] < at["start ablation__ppo__seed1"] < at["end ablation__ppo__seed0"]
+    ablation.run_grid(runs, jobs=len(runs), out_dir=str(tmp_path))  # pi_SFT there: not trained again
+    assert sum(e.startswith(f"built {sft.name}") for e in events) == 1
 
 
 def test_runs_side_by_side_share_the_cores_unless_their_flags_set_threads(tmp_path, monkeypatch):
