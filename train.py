@@ -251,7 +251,10 @@ def build_engine(cfg, actor, path: str, tokenizer):
     if cfg.rollout == "hf":
         return HFRollout(actor, tokenizer)
     if cfg.rollout == "hf-fast":
-        return FastHFRollout(actor, tokenizer)
+        try:
+            return FastHFRollout(actor, tokenizer)
+        except ValueError as err:  # a model it cannot decode: say so at start, as a bad flag
+            raise ConfigError(str(err)) from None
     return VLLMRollout(path, tokenizer, tensor_parallel_size=cfg.tensor_parallel_size,
                        max_model_len=cfg.max_prompt_tokens + max(cfg.max_new_tokens, cfg.eval_max_new_tokens or 0),
                        gpu_memory_utilization=cfg.gpu_memory_utilization, seed=cfg.seed)

@@ -146,8 +146,6 @@ class Decoder:
     `generate` and `RolloutBatch.model_inputs`. `keep(index)` drops the rows not in `index`."""
 
     def __init__(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int):
-        if set(model.config.layer_types) != {"full_attention"}:
-            raise ValueError("FastHFRollout: sliding-window layers are not supported; use --rollout hf")
         self.model = model
         B, P = prompt_ids.shape
         dtype, device = next(model.parameters()).dtype, prompt_ids.device
@@ -183,6 +181,14 @@ class Decoder:
 class FastHFRollout(HFRollout):
     """Sampling with the trained model itself, like `HFRollout`, through a `Decoder` (module
     docstring); rows that stop are dropped from the batch at once."""
+
+    def __init__(self, model, tokenizer):
+        # The cache and the masks are full attention's; a model without layer_types has only those.
+        kinds = set(getattr(model.config, "layer_types", None) or ["full_attention"])
+        if kinds != {"full_attention"}:
+            raise ValueError(f"--rollout hf-fast decodes full-attention layers only, and this model has "
+                             f"{', '.join(sorted(kinds - {'full_attention'}))} layers: use --rollout hf")
+        super().__init__(model, tokenizer)
 
     @torch.no_grad()
     def generate(

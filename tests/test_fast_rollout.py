@@ -105,3 +105,18 @@ def test_samples_follow_the_distribution_of_generates():
     for column in (lambda b: b.response_ids[:, 0], lambda b: b.response_ids[:, 3], lambda b: b.lengths):
         fast, reference = (Counter(column(b).tolist()) for b in samples)
         assert chi_square_p(fast, reference) > 1e-3
+
+
+def test_a_model_with_sliding_window_layers_is_refused_at_start_with_the_flag_to_use():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    import train
+    from support.config import Config, ConfigError
+
+    tokenizer, model = tiny_actor()
+    config = Qwen2Config(**{**model.config.to_dict(), "use_sliding_window": True, "sliding_window": 8,
+                            "layer_types": ["full_attention", "sliding_attention"]})
+    with pytest.raises(ConfigError, match="sliding_attention layers: use --rollout hf"):
+        train.build_engine(Config(), Qwen2ForCausalLM(config), "unused", tokenizer)
+    del model.config.layer_types  # configs of models without the field (full attention only) are decoded
+    assert isinstance(train.build_engine(Config(), model, "unused", tokenizer), FastHFRollout)
