@@ -223,7 +223,7 @@ class FastHFRollout(HFRollout):
                 tokens, token_logprobs = sample_tokens(logits, temperature, top_p, generator)
                 response[rows, t], logprobs[rows, t] = tokens, token_logprobs
                 stopped = tokens == self.eos_id
-                if stopped.any():
+                if stopped.any() and t + 1 < max_new_tokens:  # at the last position there is nothing to drop
                     lengths[rows[stopped]] = t + 1
                     going = (~stopped).nonzero().squeeze(1)
                     done = len(going) == 0
