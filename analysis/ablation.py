@@ -44,7 +44,7 @@ from tqdm import tqdm
 
 from support import rundir
 from analysis import run_cli
-from support.config import Config, check_settings, parse_config, usable_cores
+from support.config import Config, check_settings, core_share, parse_config
 from critic import orm_path
 from support.sft import prepare_sft, sft_cache_path
 
@@ -167,7 +167,7 @@ def run_grid(runs: list[Run], jobs: int, out_dir: str) -> tuple[float, list[Run]
         orm = orm_of.get(id(run))
         return orm is None or orm.is_dir() or orm_builders[orm] is run or stopped(orm_builders[orm])
 
-    threads = max(1, usable_cores() // jobs)  # the runs side by side share the cores
+    threads = core_share(jobs)  # the runs side by side share the cores
     bar = tqdm(total=len(todo), desc="ablation runs", dynamic_ncols=True)
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         waiting = todo
@@ -190,11 +190,11 @@ def build_missing_sft(configs: list[Config]) -> None:
     """Train each built-in-task pi_SFT these runs read and that is not cached yet (train.py's own
     stage, `prepare_sft`), in this process on every usable core."""
     missing = {sft_cache_path(c): c for c in configs if c.model is None and not Path(sft_cache_path(c)).is_dir()}
-    before = torch.get_num_threads()
-    torch.set_num_threads(usable_cores())
+    before, threads = torch.get_num_threads(), core_share(1)
+    torch.set_num_threads(threads)
     try:
         for path, cfg in missing.items():
-            tqdm.write(f"training the shared pi_SFT ({path}) before the runs, on {usable_cores()} cores")
+            tqdm.write(f"training the shared pi_SFT ({path}) before the runs, on {threads} threads")
             prepare_sft(cfg)
     finally:
         torch.set_num_threads(before)

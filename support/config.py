@@ -149,7 +149,7 @@ class Config:
 
     # --- rollout
     rollout: Literal["hf", "hf-fast", "vllm"] = "hf-fast"
-    """generation backend: the model itself through fast_rollout.py's decode loop (2-3x `generate` on a
+    """generation backend: the model itself through fast_rollout.py's decode loop (~2x `generate` on a
     CPU), HF `generate` (what the runs of RESULTS.md used), or vLLM (the GPU presets)"""
     max_new_tokens: int = 400
     """response length limit"""
@@ -431,12 +431,15 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def core_share(processes: int) -> int:
+    """Torch threads for each of `processes` processes side by side on the usable cores, at least one."""
+    return max(1, usable_cores() // processes)
+
+
 def cpu_threads(cfg: Config) -> int:
-    """--threads, or unset: the usable cores over the processes torchrun started on this machine
-    (LOCAL_WORLD_SIZE), at least one."""
-    if cfg.threads is not None:
-        return cfg.threads
-    return max(1, usable_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    """--threads, or unset: a share of the cores among the processes torchrun started on this
+    machine (LOCAL_WORLD_SIZE)."""
+    return cfg.threads if cfg.threads is not None else core_share(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
 
 
 def parse_config(argv: list[str], description: str | None = None) -> Config:

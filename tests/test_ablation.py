@@ -154,7 +154,7 @@ def test_runs_waiting_for_the_shared_stages_start_once_what_they_read_is_built(t
         return run, 0.0, 0
 
     monkeypatch.setattr(ablation, "prepare_sft", fake_prepare_sft)
-    monkeypatch.setattr(ablation, "usable_cores", lambda: 3)
+    monkeypatch.setattr(config, "usable_cores", lambda: 3)
     monkeypatch.setattr(ablation, "execute", fake_execute)
     monkeypatch.setattr(ablation, "CACHE_POLL_S", 0.01)
     threads_before = torch.get_num_threads()
@@ -174,7 +174,7 @@ def test_runs_side_by_side_share_the_cores_unless_their_flags_set_threads(tmp_pa
     threads against each other); one whose flags give --threads keeps its own."""
     calls = []
     monkeypatch.setattr(ablation.subprocess, "call", lambda argv, **kw: calls.append(argv) or 0)
-    monkeypatch.setattr(ablation, "usable_cores", lambda: 4)
+    monkeypatch.setattr(config, "usable_cores", lambda: 4)
     args = ablation.Args(out_dir=str(tmp_path), variants=("ppo",), seeds=(0,))
     (Path(tmp_path) / "_shared" / "sft").mkdir(parents=True)  # no builder: the runs start at once
     runs = ablation.plan_runs(args, []) + ablation.plan_runs(dataclasses.replace(args, seeds=(1,)), ["--threads", "3"])
