@@ -395,14 +395,14 @@ def _names_files(spec: str) -> bool:
 
 def _check_preset_chosen() -> None:
     """--model on a GPU machine without --preset: refused, rather than trained silently with the CPU
-    toy's settings (actor lr 5e-5, HF generate, fp32). On a CPU the tiny settings are what a small
+    toy's settings (actor lr 5e-5, the hf-fast rollout, fp32). On a CPU the tiny settings are what a small
     model wants (and what the tests use)."""
     import torch
 
     if torch.cuda.is_available():
         raise ConfigError("--model on a GPU needs a --preset: qwen2.5-1.5b (one 80 GB GPU), qwen2.5-7b (one node "
                           "of 8 x 80 GB GPUs) or qwen2.5-32b (2 x 8 H200); tiny and tiny-long are the CPU toy's "
-                          "settings (actor lr 5e-5, HF generate, fp32), and any flag overrides a preset's value")
+                          "settings (actor lr 5e-5, the hf-fast rollout, fp32), and any flag overrides a preset's value")
 
 
 def check_settings(where: str, stored: dict, wanted: dict, ignore=(), remedy: str = "delete it") -> None:
