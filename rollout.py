@@ -30,6 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from transformers import GenerationConfig
 
 from fsdp_utils import all_reduce, distributed, local_device, rank, world_size
 from support.checkpoints import iter_full_weights
@@ -174,6 +175,33 @@ def llvmlite_hidden():
             sys.modules[name] = module
 
 
+def rank_seed(seed: int | None) -> int:
+    """The seed of this rank's rollout: seed + rank, so that ranks draw apart and a resumed run replays
+    its batches; without one, a draw from torch's RNG (torch.manual_seed still makes runs repeatable,
+    and two calls sample differently)."""
+    return int(torch.randint(0, 2**62, ())) if seed is None else seed + rank()
+
+
+def check_sampling(temperature: float, top_p: float) -> None:
+    """The sampling settings `generate` accepts: temperature >= 0 (0: greedy), top_p in (0, 1]."""
+    if not temperature >= 0 or not 0 < top_p <= 1:
+        raise ValueError(f"temperature must be >= 0 and top_p in (0, 1]; got {temperature}, {top_p}")
+
+
+@contextlib.contextmanager
+def own_sampling_only(model):
+    """`generate` without the checkpoint's sampling defaults (its generation_config.json: Qwen2.5-Instruct's
+    repetition penalty and top-k 20, for one), which it would otherwise apply to every setting left
+    unset: the samples must come from the distribution whose log-probs PPO computes, as vLLM's
+    generation_config="vllm" does there."""
+    saved = model.generation_config
+    model.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        model.generation_config = saved
+
+
 @contextlib.contextmanager
 def probabilities_checked():
     """torch.multinomial's error on a diverged model's outputs, said as what it means."""
@@ -209,15 +237,15 @@ class HFRollout:
         seed: int | None = None,
     ) -> RolloutBatch:
         """Sample one response per prompt; temperature 0 means greedy. The batch is on the model's device."""
+        check_sampling(temperature, top_p)
         ids, mask = self.padded_prompts(prompt_ids)
         greedy = temperature == 0
         was_training = self.model.training
         self.model.eval()
         # A seed makes the rollout a function of (seed, weights, prompts): resumed runs replay exactly.
-        # Under torchrun each rank draws from its own stream (seed + rank), not the same draws.
-        with torch.random.fork_rng(devices=[]):
-            if seed is not None:
-                torch.manual_seed(seed + rank())
+        seed = rank_seed(seed)  # drawn before the fork when there is none, so that calls differ
+        with torch.random.fork_rng(devices=[]), own_sampling_only(self.model):
+            torch.manual_seed(seed)
             with probabilities_checked():
                 out = self.model.generate(
                     input_ids=ids,

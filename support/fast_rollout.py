@@ -33,8 +33,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from fsdp_utils import any_rank, rank
-from rollout import HFRollout, RolloutBatch, probabilities_checked
+from fsdp_utils import any_rank
+from rollout import HFRollout, RolloutBatch, check_sampling, probabilities_checked, rank_seed
 
 ATTENTION = "vcppo_gqa_sdpa"
 
@@ -201,6 +201,7 @@ class FastHFRollout(HFRollout):
     ) -> RolloutBatch:
         """Sample one response per prompt; temperature 0 means greedy. The batch is on the model's device."""
         model = self.model
+        check_sampling(temperature, top_p)
         ids, mask = self.padded_prompts(prompt_ids)
         device = ids.device
         if max_new_tokens < 1:
@@ -208,7 +209,7 @@ class FastHFRollout(HFRollout):
         # A seed makes the rollout a function of (seed, weights, prompts): resumed runs replay exactly.
         # Without one, torch's RNG picks it (so torch.manual_seed still makes runs repeatable).
         generator = torch.Generator(device)
-        generator.manual_seed(int(torch.randint(0, 2**62, ())) if seed is None else seed + rank())
+        generator.manual_seed(rank_seed(seed))
         B = len(ids)
         response = torch.full((B, max_new_tokens), self.pad_id, dtype=torch.long, device=device)
         logprobs = torch.zeros(B, max_new_tokens, device=device)

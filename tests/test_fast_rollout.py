@@ -120,3 +120,42 @@ def test_a_model_with_sliding_window_layers_is_refused_at_start_with_the_flag_to
         train.build_engine(Config(), Qwen2ForCausalLM(config), "unused", tokenizer)
     del model.config.layer_types  # configs of models without the field (full attention only) are decoded
     assert isinstance(train.build_engine(Config(), model, "unused", tokenizer), FastHFRollout)
+
+
+@pytest.mark.parametrize("engine", [HFRollout, FastHFRollout])
+def test_a_checkpoints_own_sampling_defaults_are_not_applied(policy, engine):
+    # A generation_config.json like Qwen2.5-Instruct's sets a repetition penalty and top-k; generate applies
+    # such defaults to whatever it is not told, and its samples would no longer follow the log-probs.
+    model, tokenizer = policy
+    prompts = [tokenizer(t)["input_ids"] for t in PROMPTS]
+    plain = engine(model, tokenizer).generate(prompts, 30, temperature=0)
+    saved = model.generation_config
+    model.generation_config = type(saved)(**{**saved.to_dict(), "repetition_penalty": 100.0, "no_repeat_ngram_size": 1})
+    try:
+        defaults = model.generation_config
+        assert any(len(set(row.tolist())) < len(row) for row in plain.response_ids)  # the penalty would matter
+        greedy = engine(model, tokenizer).generate(prompts, 30, temperature=0)
+        assert model.generation_config is defaults and defaults.repetition_penalty == 100.0  # left as it was
+    finally:
+        model.generation_config = saved
+    assert torch.equal(greedy.response_ids, plain.response_ids)
+
+
+@pytest.mark.parametrize("engine", [HFRollout, FastHFRollout])
+def test_without_a_seed_calls_differ_and_torch_manual_seed_repeats_them(policy, engine):
+    model, tokenizer = policy
+    sampler, prompts = engine(model, tokenizer), [tokenizer(t)["input_ids"] for t in PROMPTS] * 4
+    torch.manual_seed(0)
+    first, second = sampler.generate(prompts, 16), sampler.generate(prompts, 16)
+    torch.manual_seed(0)
+    again = sampler.generate(prompts, 16)
+    assert torch.equal(again.response_ids, first.response_ids)
+    assert first.response_ids.shape != second.response_ids.shape or not torch.equal(first.response_ids, second.response_ids)
+
+
+@pytest.mark.parametrize("engine", [HFRollout, FastHFRollout])
+@pytest.mark.parametrize("temperature, top_p", [(-0.5, 1.0), (float("nan"), 1.0), (1.0, 0.0), (1.0, 1.5)])
+def test_sampling_settings_out_of_range_are_refused(policy, engine, temperature, top_p):
+    model, tokenizer = policy
+    with pytest.raises(ValueError, match="temperature must be >= 0 and top_p in"):
+        engine(model, tokenizer).generate([tokenizer("+21=\n")["input_ids"]], 4, temperature=temperature, top_p=top_p)
