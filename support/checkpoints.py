@@ -185,8 +185,10 @@ def save_checkpoint(path: str, models: dict, optimizers: dict, extra: dict) -> N
         model_sd, optim_sd = get_state_dict(model, optimizers[name])
         state[name] = {"model": model_sd, "optim": optim_sd}
     tmp = path + ".tmp"
-    if is_main():  # a complete tmp left by a killed save must not mix with this one's files
-        shutil.rmtree(tmp, ignore_errors=True)
+    if is_main():
+        if not os.path.exists(path) and os.path.exists(os.path.join(tmp, "extra.pt")):
+            os.replace(tmp, path)  # a save killed between its renames: tmp is the newest checkpoint, keep it
+        shutil.rmtree(tmp, ignore_errors=True)  # an incomplete one must not mix with this save's files
     barrier()
     failure = None
     try:

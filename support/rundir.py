@@ -316,8 +316,9 @@ class MetricsLog:
             if torn is not None:
                 tqdm.write(f"{self.path}: dropped its last line, cut short when the run stopped ({torn[:60]!r})")
             kept = [line for step, line in rows if step <= keep_up_to_step]
-        with open(self.path, "w") as f:
+        with open(self.path + ".tmp", "w") as f:  # swapped in whole: a kill mid-write keeps the old log
             f.writelines(kept)
+        os.replace(self.path + ".tmp", self.path)
         self.tb = SummaryWriter(run_dir, purge_step=keep_up_to_step + 1)  # drop the replayed steps
 
     def write(self, step: int, metrics: dict) -> None:

@@ -246,6 +246,17 @@ def test_a_save_killed_between_its_renames_resumes_from_the_newest_complete_chec
     assert not os.path.exists(path)
     assert checkpoints.latest_checkpoint(path) == path + ".tmp"  # step 2, complete
     assert checkpoints.load_checkpoint(path + ".tmp", models, optimizers)["step"] == 2
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoints.dcp, "save", full_disk)  # the resumed run's next save fails too
+    with pytest.raises(checkpoints.CheckpointError, match="No space left"):
+        checkpoints.save_checkpoint(path, models, optimizers, {"step": 3})
+    monkeypatch.undo()
+    assert checkpoints.latest_checkpoint(path) == path  # step 2 was kept, under the name it lacked
+    assert checkpoints.checkpoint_extra(path)["step"] == 2
+    os.replace(path, path + ".tmp")  # back to the state the kill left
     os.remove(os.path.join(path + ".tmp", "extra.pt"))  # as if killed while writing step 2
     assert checkpoints.latest_checkpoint(path) == path + ".old"
     checkpoints.save_checkpoint(path, models, optimizers, {"step": 3})  # and the next save cleans up

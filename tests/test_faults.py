@@ -295,3 +295,20 @@ def test_torchrun_run_reusing_a_shared_critic_trains_and_sigterm_saves_every_ran
     assert checkpoints.checkpoint_extra(str(run_dir / "checkpoint"))["world_size"] == 2
     assert sorted(p.name for p in (run_dir / "checkpoint").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     assert [r["step"] for r in read_metrics(run_dir)] == list(range(step + 1))
+
+
+def test_a_resume_killed_while_it_trims_the_metrics_log_keeps_every_row(tmp_path, monkeypatch):
+    rows = [json.dumps({"step": s, "x": 1.0}) + "\n" for s in range(4)]
+    (tmp_path / "metrics.jsonl").write_text("".join(rows))
+
+    def killed(src, dst):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(rundir.os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        rundir.MetricsLog(str(tmp_path), keep_up_to_step=1)
+    monkeypatch.undo()
+    assert (tmp_path / "metrics.jsonl").read_text() == "".join(rows)  # the old log whole, not an empty one
+    log = rundir.MetricsLog(str(tmp_path), keep_up_to_step=1)
+    log.tb.close()
+    assert (tmp_path / "metrics.jsonl").read_text() == "".join(rows[:2])
