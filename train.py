@@ -269,6 +269,24 @@ def export_actor(cfg, actor, tokenizer, path: str) -> None:
     checkpoints.export_hf_checkpoint(actor, tokenizer, path, dtype=torch.bfloat16 if cfg.mixed_precision else None)
 
 
+def snapshot_due(cfg, steps_done: int) -> bool:
+    """--save-hf-every: a snapshot after every N steps but the last (the final actor is actor_hf)."""
+    return bool(cfg.save_hf_every) and steps_done % cfg.save_hf_every == 0 and steps_done < cfg.steps
+
+
+def snapshot_path(run_dir: str, steps_done: int) -> str:
+    return os.path.join(run_dir, "actor_hf_steps", f"step_{steps_done}")
+
+
+def export_into_run(cfg, actor, tokenizer, run_dir: str, path: str) -> None:
+    """`export_actor`; a failed write says what the run kept, and that --resume writes it again."""
+    try:
+        export_actor(cfg, actor, tokenizer, path)
+    except checkpoints.CheckpointError as err:
+        raise checkpoints.CheckpointError(f"{err}. {rundir.last_checkpoint(run_dir)} Resume with the same command "
+                                          f"and --resume to write it again") from None
+
+
 def print_plan(cfg: Config) -> None:
     """--plan: per-GPU and per-node host memory of this config at torchrun's world size (without
     torchrun, the preset's target: memory_plan.TARGETS; nodes of LOCAL_WORLD_SIZE or 8 GPUs), then
@@ -343,6 +361,10 @@ def run(cfg: Config, dist_info) -> dict:
     start = rundir.resume(cfg, run_dir, models, optimizers, schedulers)
     if start:
         sampler.engine.sync_weights(models["actor"])  # the rollout engine samples from the restored actor
+        # The snapshot of the step resumed from, if its export failed after the checkpoint was saved,
+        # or if that step was then the run's last (exported only as actor_hf, which this run replaces).
+        if snapshot_due(cfg, start) and not os.path.isdir(snapshot_path(run_dir, start)):
+            export_into_run(cfg, models["actor"], tokenizer, run_dir, snapshot_path(run_dir, start))
     log = rundir.MetricsLog(run_dir, keep_up_to_step=start - 1, wandb_project=cfg.wandb_project,
                             config=dataclasses.asdict(cfg))
 
@@ -370,14 +392,14 @@ def run(cfg: Config, dist_info) -> dict:
             preempted = preemption.requested()
             if preempted or (step + 1) % cfg.save_every == 0 or last:
                 rundir.save(cfg, run_dir, step, models, optimizers, schedulers)
-            if cfg.save_hf_every and (step + 1) % cfg.save_hf_every == 0 and not last:
-                export_actor(cfg, models["actor"], tokenizer, os.path.join(run_dir, "actor_hf_steps", f"step_{step + 1}"))
+            if snapshot_due(cfg, step + 1):
+                export_into_run(cfg, models["actor"], tokenizer, run_dir, snapshot_path(run_dir, step + 1))
             if preempted:
                 raise preemption.stop(f"preempted at step {step}: saved {run_dir}/checkpoint")
 
     summary["ppo"] = final or evaluate(evaluator, eval_records, "ppo")
     log.close()
-    export_actor(cfg, models["actor"], tokenizer, os.path.join(run_dir, "actor_hf"))
+    export_into_run(cfg, models["actor"], tokenizer, run_dir, os.path.join(run_dir, "actor_hf"))
     grader.close()
     if fsdp_utils.is_main():
         rundir.write_json(os.path.join(run_dir, "summary.json"), summary)

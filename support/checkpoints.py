@@ -201,17 +201,23 @@ def save_checkpoint(path: str, models: dict, optimizers: dict, extra: dict) -> N
     except (Exception, dcp.api.CheckpointException) as err:  # DCP's is a BaseException
         failure = err
     if any_rank(failure is not None):  # every rank stops, not only the one whose write failed
-        free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
-        if is_main():
-            shutil.rmtree(tmp, ignore_errors=True)
-        reason = "it failed on another rank" if failure is None else _os_reason(failure) or _reason(failure)
-        raise CheckpointError(f"cannot save a checkpoint to {path}: {reason} ({free / 2**20:.0f} MiB free there)")
+        _give_up_write(f"cannot save a checkpoint to {path}", tmp, failure)
     if is_main():
         if os.path.exists(path):
             shutil.rmtree(path + ".old", ignore_errors=True)  # half deleted by a kill: path is newer
             os.replace(path, path + ".old")
         os.replace(tmp, path)
     barrier()
+
+
+def _give_up_write(what: str, tmp: str, failure: BaseException | None) -> None:
+    """Remove the half-written `tmp` (rank 0) and raise CheckpointError on every rank: `what`, the
+    cause (the operating system's word where there is one) and the space left."""
+    free = shutil.disk_usage(os.path.dirname(os.path.abspath(tmp))).free
+    if is_main():
+        shutil.rmtree(tmp, ignore_errors=True)
+    reason = "it failed on another rank" if failure is None else _os_reason(failure) or _reason(failure)
+    raise CheckpointError(f"{what}: {reason} ({free / 2**20:.0f} MiB free there)")
 
 
 def _os_reason(err: BaseException) -> str | None:
@@ -388,7 +394,9 @@ def export_hf_checkpoint(
 
     Collective under torchrun. Rank 0 writes each shard as soon as its tensors are gathered, so
     memory stays at one shard. Tied weights are written once, as `save_pretrained` does. Written
-    to `path.tmp` and renamed, so a stale shard of an earlier export never survives.
+    to `path.tmp` and renamed, so a stale shard of an earlier export never survives and `path`, once
+    there, is complete. A failed write (a full disk) raises CheckpointError on every rank, as
+    `save_checkpoint` does, and removes `path.tmp`.
     """
     state = model.state_dict()
     plan = _bucket_plan(model, state, shard_bytes, dtype)
@@ -397,32 +405,44 @@ def export_hf_checkpoint(
         if len(plan) == 1
         else [f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))]
     )
-    tmp = path + ".tmp"
+    tmp, failure = path + ".tmp", None
     if is_main():
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-        config = copy.deepcopy(model.config)
-        config.dtype = dtype or next(iter(state.values())).dtype
-        # What save_pretrained records: loaders tell a critic (scalar head) from a causal LM by it.
-        config.architectures = [type(model).__name__.removeprefix("FSDP")]  # fully_shard renames
-        config.save_pretrained(tmp)
-        if getattr(model, "generation_config", None) is not None:
-            model.generation_config.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+            config = copy.deepcopy(model.config)
+            config.dtype = dtype or next(iter(state.values())).dtype
+            # What save_pretrained records: loaders tell a critic (scalar head) from a causal LM by it.
+            config.architectures = [type(model).__name__.removeprefix("FSDP")]  # fully_shard renames
+            config.save_pretrained(tmp)
+            if getattr(model, "generation_config", None) is not None:
+                model.generation_config.save_pretrained(tmp)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+        except OSError as err:
+            failure = err
     weight_map, total = {}, 0
     for file, bucket in zip(files, iter_full_weights(model, shard_bytes, dtype)):
-        if is_main():
+        # After a failed write rank 0 still gathers every bucket: the other ranks are in the same collectives.
+        if is_main() and failure is None:
             tensors = {name: t.cpu().contiguous() for name, t in bucket}
-            save_file(tensors, os.path.join(tmp, file), metadata={"format": "pt"})
+            try:
+                save_file(tensors, os.path.join(tmp, file), metadata={"format": "pt"})
+            except OSError as err:
+                failure = err
             weight_map.update({name: file for name in tensors})
             total += sum(t.numel() * t.element_size() for t in tensors.values())
         del bucket
-    if is_main():
-        if len(files) > 1:
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    if is_main() and failure is None and len(files) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        try:
             with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
                 json.dump(index, f, indent=2)
+        except OSError as err:
+            failure = err
+    if any_rank(failure is not None):
+        _give_up_write(f"cannot export a Hugging Face checkpoint to {path}", tmp, failure)
+    if is_main():
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)
     barrier()

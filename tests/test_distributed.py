@@ -6,6 +6,7 @@ test checks one property of them. Single-process behaviour of the same helpers i
 
 import copy
 import os
+import re
 
 import pytest
 import torch
@@ -76,6 +77,13 @@ def test_export_from_sharded_model_loads_as_same_hf_weights(fsdp_run):
     r = fsdp_run["export"]
     assert r["weight_max_diff"] == 0.0 and r["tied"]
     assert "model.safetensors.index.json" in r["files"] and "tokenizer.json" in r["files"]
+    # A full disk on rank 0 at the first shard: both ranks raise (none hangs in a gather), nothing half-written.
+    for rank in (fsdp_run, fsdp_run["rank1"]):
+        assert re.fullmatch(rf"cannot export a Hugging Face checkpoint to {fsdp_run['out_dir']}/hf_export: "
+                            r"(No space left on device|it failed on another rank) \(\d+ MiB free there\)",
+                            rank["export_full_disk"])
+    assert "No space" in fsdp_run["export_full_disk"] and "another rank" in fsdp_run["rank1"]["export_full_disk"]
+    assert "hf_export" in fsdp_run["export_after_full_disk"] and "hf_export.tmp" not in fsdp_run["export_after_full_disk"]
 
 
 @pytest.mark.slow

@@ -142,6 +142,49 @@ def test_a_full_disk_during_a_save_names_the_cause_and_keeps_the_last_checkpoint
     assert checkpoints.checkpoint_extra(str(run_dir / "checkpoint"))["step"] == 3
 
 
+def test_no_hugging_face_snapshot_is_lost_to_a_failed_export_or_to_extending_a_finished_run(base, tmp_path,
+                                                                                             monkeypatch):
+    """--save-hf-every: a snapshot whose export failed after its step's checkpoint saved was never
+    written (a raw OSError, then the resume went on past it); a finished run's last step was exported
+    only as actor_hf, which extending the run replaced. Each snapshot holds the actor of its step."""
+    from safetensors.torch import load_file
+
+    moved = moved_copy(base, tmp_path)
+    run_dir = moved / "base"
+    after_4_steps = _checkpoint_actor(run_dir / "checkpoint")  # base finished 4 steps
+    resume(moved, "--steps", "5", "--save-hf-every", "2")
+    assert _same(load_file(run_dir / "actor_hf_steps" / "step_4" / "model.safetensors"), after_4_steps)
+    assert sorted(p.name for p in (run_dir / "actor_hf_steps").iterdir()) == ["step_4"]  # the 5th: actor_hf
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(checkpoints, "save_file", full_disk)
+    with pytest.raises(checkpoints.CheckpointError, match=rf"cannot export a Hugging Face checkpoint to "
+                       rf"{run_dir}/actor_hf_steps/step_6: No space left on device \(\d+ MiB free there\)\. "
+                       rf"Last checkpoint: {run_dir}/checkpoint\. Resume with the same command and --resume"):
+        resume(moved, "--steps", "7", "--save-hf-every", "3")
+    monkeypatch.undo()
+    assert sorted(p.name for p in (run_dir / "actor_hf_steps").iterdir()) == ["step_4"]  # no step_6.tmp left
+    after_6_steps = _checkpoint_actor(run_dir / "checkpoint")
+    resume(moved, "--steps", "7", "--save-hf-every", "3")
+    assert _same(load_file(run_dir / "actor_hf_steps" / "step_6" / "model.safetensors"), after_6_steps)
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(7))
+
+
+def _checkpoint_actor(checkpoint) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint.parent / "actor_hf")
+    checkpoints.load_model_weights(str(checkpoint), "actor", model)
+    return {name: t.clone() for name, t in model.state_dict().items()}
+
+
+def _same(saved: dict, actor: dict) -> bool:
+    """The exported tensors are the actor's (a tied head is written once)."""
+    return bool(saved) and all(t.equal(actor[name]) for name, t in saved.items())
+
+
 def test_a_read_only_out_dir_is_refused_before_any_model_loads(tmp_path, monkeypatch):
     """Item 6: an OSError [Errno 30] traceback after model loading. Faked at the first write (the
     tests run as root, for whom no directory is read-only)."""

@@ -5,7 +5,8 @@
    sharded from the actor's checkpoint as train.py loads them.
 2. A sharded checkpoint written on both ranks resumes to the same weights and optimizer state,
    and the next step from it matches the next step of the run that wrote it.
-3. `export_hf_checkpoint` of the sharded actor loads in Hugging Face as the same weights.
+3. `export_hf_checkpoint` of the sharded actor loads in Hugging Face as the same weights; a full
+   disk on rank 0 stops both ranks with its cause.
 4. Advantage whitening and logged metrics over the two ranks' rows equal those of one process.
 5. Hugging Face sampling draws differently on each rank for the same seed.
 6. Sharded loading (train.load_actor, train.load_critic): each rank's shards of a bf16 checkpoint in
@@ -19,6 +20,7 @@
 Each rank writes rank<r>.json into argv[1]; the test asserts on the numbers.
 """
 
+import errno
 import os
 import sys
 
@@ -29,6 +31,7 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 from common import tiny_actor, write_result
 from critic import load_value_model
 from fsdp_utils import all_reduce, close_distributed, exit_now_if_gloo, init_distributed, is_main, reduce_metrics, shard_model
+import support.checkpoints
 from support.checkpoints import CheckpointError, export_hf_checkpoint, iter_full_weights, load_checkpoint, load_pretrained, save_checkpoint
 from ppo_update import masked_whiten
 from rollout import HFRollout
@@ -167,6 +170,20 @@ if is_main():
         "weight_max_diff": max_diff(expected, loaded.state_dict()),
         "tied": loaded.lm_head.weight is loaded.model.embed_tokens.weight,
     }
+# Rank 0's disk fills at its first shard: rank 1 is still in the gathers of the next ones, so both
+# must finish them and raise, not hang; the export before is kept and no .tmp is left.
+def full_disk(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+support.checkpoints.save_file, saved = full_disk, support.checkpoints.save_file
+try:
+    export_hf_checkpoint(model, tokenizer, export, shard_bytes=1 << 20)
+    result["export_full_disk"] = "no error"
+except CheckpointError as err:
+    result["export_full_disk"] = str(err)
+support.checkpoints.save_file = saved
+result["export_after_full_disk"] = sorted(os.listdir(out_dir))
 
 # 4. Statistics over ranks: whitening and logged metrics see every rank's rows, as one process does.
 x = torch.randn(4, 12, generator=torch.Generator().manual_seed(2))
