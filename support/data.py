@@ -8,14 +8,16 @@ The built-in task lives in `task.py`; this module loads a user's files instead:
 A record is `{"prompt", "answer", "data_source", "prompt_ids"}`. The layouts people already have
 are read as they are:
 - files: `.jsonl` (one object a line), `.json` (an array of objects, or JSON lines as Hugging Face
-  `datasets` writes them) and `.parquet`; one file, a folder of them, or a glob (`data_files`);
+  `datasets` writes them) and `.parquet`, UTF-8 with or without a byte-order mark; one file, a
+  folder of them, or a glob (`data_files`);
 - prompts: text, or a list of chat messages (`[{"role": "user", "content": ...}]`, verl's and TRL's
   conversational layout), which go through the tokenizer's chat template;
 - fields: `prompt_key` / `answer_key` may be dotted paths into nested fields
   (`reward_model.ground_truth`, verl's); `data_source` (verl's) names the set a record belongs to,
   else the file's name does (`_set_name`; held-out metrics are reported per data source);
-- answers: `answer_format` "gsm8k" takes the final number after GSM8K's `#### `, "math" the answer
-  as written (the grader reads its last `\\boxed{}` if it has one); None detects `####`;
+- answers: `answer_format` "gsm8k" takes the number after GSM8K's `#### `, "math" the answer as
+  written (the grader reads its last `\\boxed{}` if it has one); None detects `####` without a
+  `\\boxed{}`; held-out sets (`--val-data`) are always detected, each set reported apart;
 - `prompt_template` (`"{prompt} Please reason step by step, ..."`) rewrites the prompt text (the
   last user turn of a message list).
 A malformed line, a missing field, an empty prompt or answer stops loading with the file and line
@@ -25,10 +27,14 @@ are dropped and counted: a cut prompt would be a different question.
 
 from __future__ import annotations
 
+import codecs
 import glob
 import hashlib
 import json
+import math
+import os
 import re
+from decimal import Decimal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Literal
@@ -66,12 +72,15 @@ def encode_prompt(tokenizer, prompt: str | list[dict]) -> list[int]:
 
 def data_files(spec: str | Path) -> list[Path]:
     """The files a `--data` / `--val-data` value names: a file, a folder (its .json, .jsonl and
-    .parquet files) or a glob (`data/train-*.parquet`, `**` for subfolders), in sorted order."""
-    spec = str(spec)
+    .parquet files) or a glob (`data/train-*.parquet`, `**` for subfolders; the .json, .jsonl and
+    .parquet files it matches), in sorted order. A leading `~` is the home folder, quoted or not."""
+    spec = os.path.expanduser(str(spec))
     if glob.has_magic(spec):
-        files = sorted(Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file())
+        matched = [Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file()]
+        files = sorted(p for p in matched if p.suffix.lower() in SUFFIXES)
         if not files:
-            raise DataError(f"{spec}: the pattern matches no file")
+            raise DataError(f"{spec}: the pattern matches no {', '.join(SUFFIXES)} file"
+                            + (f" (it matches {len(matched)} other files)" if matched else ""))
         return files
     path = Path(spec)
     if path.is_dir():
@@ -98,22 +107,29 @@ def field(record: dict, key: str):
 
 
 GSM8K_MARK = "####"
-_NUMBER = re.compile(r"-?[0-9][0-9,]*(?:\.[0-9]+)?")
+# The answer after the mark: a sign, digits with thousands separators (commas; spaces or thin
+# spaces before three digits), a decimal part or a bare one (.5), and a fraction (3/4).
+_NUMBER = re.compile(r"[-\u2212]?(?:\d+(?:,\d+|[ \u2009\u202f]\d{3}(?!\d))*)?(?:\.\d+)?(?:/\d+)?")
 
 
 def gold_answer(answer: str, answer_format: Literal["gsm8k", "math"] | None) -> str:
     """What the grader compares a response's boxed answer with. GSM8K writes a worked solution and
-    then `#### 72`: its final number, thousands separators dropped ("gsm8k", or None when the
-    answer holds `####`). Otherwise ("math") the answer as written: the grader takes its last
-    `\\boxed{}` if it has one. ValueError for a GSM8K answer without a number after `####`."""
-    if answer_format == "math" or (answer_format is None and GSM8K_MARK not in answer):
+    then `#### 72`: the number that follows the last `####`, thousands separators dropped, a
+    Unicode minus read as `-` ("gsm8k"; None detects it: an answer holding `####` and no
+    `\\boxed{}`, since a Markdown heading is `####` too). Otherwise ("math") the answer as
+    written: the grader takes its last `\\boxed{}` if it has one. ValueError for a GSM8K answer
+    without a number after `####`."""
+    if answer_format is None:
+        answer_format = "gsm8k" if GSM8K_MARK in answer and "\\boxed" not in answer else "math"
+    if answer_format == "math":
         return answer
     if GSM8K_MARK not in answer:
         raise ValueError(f"no '{GSM8K_MARK} <number>' in the answer (GSM8K format)")
-    numbers = _NUMBER.findall(answer.rpartition(GSM8K_MARK)[2])
+    numbers = [m for m in _NUMBER.findall(answer.rpartition(GSM8K_MARK)[2]) if any(c.isdigit() for c in m)]
     if not numbers:
         raise ValueError(f"no number after '{GSM8K_MARK}' in the answer (GSM8K format)")
-    return numbers[-1].replace(",", "")
+    number = re.sub(r"[, \u2009\u202f]", "", numbers[0]).replace("\u2212", "-")
+    return re.sub(r"^(-?)\.", r"\g<1>0.", number)  # .5 -> 0.5
 
 
 def apply_template(prompt: str | list[dict], template: str | None) -> str | list[dict]:
@@ -133,7 +149,7 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, object]]:
         for lineno, raw in enumerate(f, start=1):
             where = f"{path}:{lineno}"
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # a byte-order mark starts line 1
             except UnicodeDecodeError as e:
                 yield where, DataError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})")
                 continue
@@ -154,12 +170,12 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, object]]:
 def _json_rows(path: Path) -> Iterator[tuple[str, object]]:
     """A `.json` file: an array of objects, or JSON lines (what `datasets`' to_json writes)."""
     with path.open("rb") as f:
-        head = f.read(4096).lstrip()
+        head = f.read(4096).removeprefix(codecs.BOM_UTF8).lstrip()
     if not head.startswith(b"["):
         yield from _jsonl_rows(path)
         return
     try:
-        records = json.loads(path.read_bytes().decode("utf-8"))
+        records = json.loads(path.read_bytes().decode("utf-8-sig"))
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     except json.JSONDecodeError as e:
@@ -196,6 +212,9 @@ def _check_messages(where: str, messages: list, key: str) -> None:
     if not any(m["role"] == "user" for m in messages):
         raise DataError(f"{where}: the chat messages in field {key!r} have no user turn "
                         f"(roles: {', '.join(m['role'] for m in messages)})")
+    if messages[-1]["role"] == "assistant":  # a whole conversation: the policy would be shown the answer
+        raise DataError(f"{where}: the chat messages in field {key!r} end with an assistant turn; a prompt ends "
+                        f"where the policy answers (TRL's conversational layout: the 'prompt' field, not 'messages')")
 
 
 def _check(where: str, record: object, prompt_key: str, answer_key: str,
@@ -216,6 +235,10 @@ def _check(where: str, record: object, prompt_key: str, answer_key: str,
     # Numeric answers are common in maths data (42, 0.5); they are graded as text anyway.
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or not str(answer).strip():
         raise DataError(f"{where}: empty or non-text answer in field {answer_key!r}")
+    if isinstance(answer, float):
+        if not math.isfinite(answer):
+            raise DataError(f"{where}: the answer in field {answer_key!r} is {answer}")
+        answer = format(Decimal(repr(answer)), "f")  # 1e-05 -> 0.00001: what a response would write
     try:
         return prompt, gold_answer(str(answer), answer_format)
     except ValueError as e:
@@ -328,10 +351,11 @@ def prepare_data(cfg, tokenizer) -> tuple[list[dict], list[dict]]:
             problems = task.make_problems(n, seed, *task_difficulty(cfg), width)
             records[split] = [{**p, "prompt_ids": encode_prompt(tokenizer, p["prompt"])} for p in problems]
         return records["train"], records["eval"]
-    records = _load(cfg, cfg.data, tokenizer, cfg.prompt_key, cfg.answer_key)
-    if cfg.val_data:  # a held-out set of its own: the training data is not split
+    records = _load(cfg, cfg.data, tokenizer, cfg.prompt_key, cfg.answer_key, cfg.answer_format)
+    if cfg.val_data:  # held-out sets of their own: the training data is not split
+        # Their gold answers' format is detected, not --answer-format's: MATH-500 beside GSM8K training.
         keys = (cfg.val_prompt_key or cfg.prompt_key, cfg.val_answer_key or cfg.answer_key)
-        return records, [r for spec in cfg.val_data for r in _load(cfg, spec, tokenizer, *keys)]
+        return records, _sets_apart([_load(cfg, spec, tokenizer, *keys, None) for spec in cfg.val_data], cfg.val_data)
     train, held_out = train_eval_split(records, cfg.eval_fraction, seed=0)
     if not train or not held_out:
         raise DataError(f"--data {cfg.data}: {len(records)} records leave {len(train)} for training and "
@@ -339,10 +363,30 @@ def prepare_data(cfg, tokenizer) -> tuple[list[dict], list[dict]]:
     return train, held_out
 
 
-def _load(cfg, spec: str, tokenizer, prompt_key: str, answer_key: str) -> list[dict]:
-    """The records of one --data or --val-data value, with the run's template and answer format."""
+def _sets_apart(sets: list[list[dict]], specs: tuple[str, ...]) -> list[dict]:
+    """The records of several --val-data values, whose data sources are reported apart: a name two
+    values share (gsm8k/test.jsonl and math500/test-00000-of-00001.parquet: both `test`) becomes
+    `<folder>/<name>` after the folder of the value's files, or `<name>#<i>` after its place in
+    --val-data when those folders are named alike too."""
+    names = [{r["data_source"] for r in records} for records in sets]
+    shared = {n for i, a in enumerate(names) for b in names[i + 1:] for n in a & b}
+    folders = [data_files(spec)[0].parent.resolve().name for spec in specs]
+    renamed = {}
+    for i, (records, folder) in enumerate(zip(sets, folders)):
+        for r in records:
+            if (old := r["data_source"]) in shared:
+                r["data_source"] = f"{folder}/{old}" if folder and folders.count(folder) == 1 else f"{old}#{i + 1}"
+                renamed[r["data_source"]] = old
+    if renamed:
+        print(f"data: --val-data sets named alike are reported apart: "
+              f"{', '.join(f'{old} -> {new}' for new, old in sorted(renamed.items()))}")
+    return [r for records in sets for r in records]
+
+
+def _load(cfg, spec: str, tokenizer, prompt_key: str, answer_key: str, answer_format) -> list[dict]:
+    """The records of one --data or --val-data value, with the run's template and this answer format."""
     records, stats = load_records(spec, tokenizer, prompt_key, answer_key, cfg.max_prompt_tokens,
-                                  "skip" if cfg.skip_bad_records else "raise", cfg.prompt_template, cfg.answer_format)
+                                  "skip" if cfg.skip_bad_records else "raise", cfg.prompt_template, answer_format)
     print(f"data: {stats.loaded} records from {spec} ({stats.skipped_malformed} malformed skipped, "
           f"{stats.dropped_too_long} over {cfg.max_prompt_tokens} tokens dropped)")
     if not records:

@@ -343,11 +343,85 @@ def test_several_files_a_folder_a_glob_and_json_arrays(tmp_path):
     records, stats = load_records(tmp_path, char_tokenizer())
     assert [(r["prompt"], r["data_source"]) for r in records] == [("1+1=", "a"), ("half of 1?", "a"), ("3*3", "b")]
     assert [r["prompt"] for r in load_records(tmp_path / "sub" / "c.json", char_tokenizer())[0]] == ["1+1="]
-    with pytest.raises(DataError, match=r"\*\.parquet: the pattern matches no file"):
+    with pytest.raises(DataError, match=r"\*\.parquet: the pattern matches no \.jsonl, \.json, \.parquet file$"):
         data_files(f"{tmp_path}/*.parquet")
+    assert data_files(f"{tmp_path}/*") == data_files(tmp_path)  # notes.txt is not taken for data
+    with pytest.raises(DataError, match=r"\*\.txt: the pattern matches no .* file \(it matches 1 other files\)"):
+        data_files(f"{tmp_path}/*.txt")
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match="empty: a folder with no .jsonl, .json, .parquet file"):
         data_files(tmp_path / "empty")
     (tmp_path / "b.json").write_text('[{"prompt": "x", "answer": 1}, {"prompt": ]')
     with pytest.raises(DataError, match=r"b\.json: malformed JSON array \(Expecting value at line 1 column 43\)"):
         load_records(tmp_path / "b.json", char_tokenizer())
+
+
+@pytest.mark.parametrize("answer, gold", [
+    ("#### 72", "72"), ("#### 1,000", "1000"), ("#### 1 000 000", "1000000"), ("#### 1\u202f000", "1000"),
+    ("#### .5", "0.5"), ("#### -.25", "-0.25"), ("#### 3/4", "3/4"), ("#### \u22125", "-5"),
+    ("#### $1,200 a month", "1200"), ("#### 18 dollars per 2 hours", "18"), ("x\n#### 3\n#### 4", "4"),
+])
+def test_a_gsm8k_gold_is_the_whole_number_after_the_mark(answer, gold):
+    """It took the last run of digits: .5 -> 5, 3/4 -> 4, 1 000 000 -> 000, a Unicode minus dropped."""
+    from support.data import gold_answer
+
+    assert gold_answer(answer, "gsm8k") == gold
+
+
+def test_a_markdown_heading_is_no_gsm8k_mark_and_numeric_answers_read_as_written(tmp_path):
+    from support.data import gold_answer
+
+    solution = "#### Step 1\nAdd 2 and 3.\n#### Step 2\nSo the answer is $\\boxed{5}$."
+    assert gold_answer(solution, None) == solution  # MATH: graded by its \boxed{5}, not by the heading's 1
+    rows = [{"prompt": "tiny?", "answer": 1e-05}, {"prompt": "big?", "answer": 1e20}, {"prompt": "x", "answer": 2.5}]
+    records, _ = load_records(write_jsonl(tmp_path / "d.jsonl", rows), char_tokenizer())
+    assert [r["answer"] for r in records] == ["0.00001", "100000000000000000000", "2.5"]  # not 1e-05, 1e+20
+    (tmp_path / "d.json").write_text('[{"prompt": "x", "answer": NaN}]')
+    with pytest.raises(DataError, match=r"d\.json: record 1: the answer in field 'answer' is nan"):
+        load_records(tmp_path / "d.json", char_tokenizer())
+
+
+def test_a_byte_order_mark_a_home_folder_and_a_whole_conversation(tmp_path, monkeypatch):
+    """Files saved by Windows tools start with a UTF-8 byte-order mark: line 1 and a .json array were
+    refused as malformed. `~` in a quoted glob was not expanded. A message list ending with the
+    assistant's turn (TRL's `messages`, not its `prompt`) was taken as a prompt holding its answer."""
+    from support.data import data_files
+
+    (tmp_path / "d.jsonl").write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r) + "\n" for r in GOOD).encode())
+    (tmp_path / "d.json").write_bytes(b"\xef\xbb\xbf" + json.dumps(GOOD).encode())
+    for name in ("d.jsonl", "d.json"):
+        assert [r["prompt"] for r in load_records(tmp_path / name, char_tokenizer())[0]] == [g["prompt"] for g in GOOD]
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert data_files("~/*.json*") == [tmp_path / "d.json", tmp_path / "d.jsonl"]
+    assert data_files("~/d.json") == [tmp_path / "d.json"]
+    chat = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "\\boxed{2}"}]
+    with pytest.raises(DataError, match=r"d\.jsonl:1: the chat messages in field 'messages' end with an assistant "
+                                        r"turn; .*the 'prompt' field, not 'messages'"):
+        load_records(write_jsonl(tmp_path / "d.jsonl", [{"messages": chat, "answer": "2"}]), char_tokenizer(TEMPLATE),
+                     prompt_key="messages")
+
+
+def test_held_out_sets_named_alike_are_reported_apart_each_with_its_own_answer_format(tmp_path, capsys):
+    """Two --val-data files named test (GSM8K's test.jsonl, MATH-500's test-00000-of-00001.parquet)
+    were merged into one `test` set; --answer-format gsm8k (for GSM8K training data) was applied to
+    MATH-500's answers too, and stopped the run."""
+    from types import SimpleNamespace
+
+    from support.data import prepare_data
+
+    (tmp_path / "gsm8k").mkdir()
+    (tmp_path / "math500").mkdir()
+    train = write_jsonl(tmp_path / "gsm8k" / "train.jsonl", [{"question": "1+1?", "answer": "1+1=2\n#### 2"}])
+    write_jsonl(tmp_path / "gsm8k" / "test.jsonl", [{"question": "2+2?", "answer": "#### 4"}])
+    pd.DataFrame([{"question": "5/10?", "answer": "\\frac{1}{2}"}]).to_parquet(
+        tmp_path / "math500" / "test-00000-of-00001.parquet")
+    cfg = SimpleNamespace(data=str(train), prompt_key="question", answer_key="answer", max_prompt_tokens=64,
+                          skip_bad_records=False, eval_fraction=0.1, prompt_template=None, answer_format="gsm8k",
+                          val_data=(str(tmp_path / "gsm8k" / "test.jsonl"), str(tmp_path / "math500")),
+                          val_prompt_key=None, val_answer_key=None)
+    train_records, held_out = prepare_data(cfg, char_tokenizer())
+    assert [r["answer"] for r in train_records] == ["2"]
+    assert [(r["data_source"], r["answer"]) for r in held_out] == [("gsm8k/test", "4"), ("math500/test", "\\frac{1}{2}")]
+    assert "reported apart: test -> gsm8k/test, test -> math500/test" in capsys.readouterr().out
+    cfg.val_data = (str(tmp_path / "gsm8k" / "test.jsonl"), str(tmp_path / "gsm8k" / "test.jsonl"))  # one folder
+    assert [r["data_source"] for r in prepare_data(cfg, char_tokenizer())[1]] == ["test#1", "test#2"]
