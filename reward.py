@@ -75,10 +75,20 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
+_MATH_DELIMITERS = (("$", "$"), ("\\[", "\\]"), ("\\(", "\\)"))
+
+
 def _gold_text(ground_truth: str) -> str:
-    """The ground truth as bare LaTeX: the content of its last box if it has one, no `$` around."""
-    gold = last_boxed(ground_truth) or ground_truth
-    return gold.strip().strip("$").strip()
+    """The ground truth as bare LaTeX: the content of its last box if it has one, without the math
+    delimiters around it (`$...$`, `$$...$$`, `\\[...\\]`, `\\(...\\)`)."""
+    gold = (last_boxed(ground_truth) or ground_truth).strip()
+    unwrapped = True
+    while unwrapped:
+        unwrapped = False
+        for left, right in _MATH_DELIMITERS:
+            if len(gold) >= len(left + right) and gold.startswith(left) and gold.endswith(right):
+                gold, unwrapped = gold[len(left):-len(right)].strip(), True
+    return gold
 
 
 def _fast_verdict(answer: str, gold: str) -> bool | None:

@@ -74,6 +74,13 @@ def test_boxed_ground_truth_is_unwrapped():
     assert rule_reward("\\boxed{0.25}", "$\\boxed{\\frac14}$") == 1.0
 
 
+@pytest.mark.parametrize("gold", ["$\\frac14$", "$$\\frac14$$", "\\[ \\frac14 \\]", "\\(\\frac14\\)", "$\\[\\frac14\\]$"])
+def test_a_ground_truth_in_math_delimiters_is_unwrapped(gold):
+    """A gold written `\\[ ... \\]` was parsed as `$\\[ ... \\]$` and matched no response."""
+    assert reward._gold_text(gold) == "\\frac14"
+    assert rule_reward("\\boxed{0.25}", gold) == 1.0 and rule_reward("\\boxed{0.3}", gold) == -1.0
+
+
 def test_fast_path_decides_without_math_verify():
     assert reward._fast_verdict("1 2 3", "1 2   3") is True
     assert reward._fast_verdict("0042", "42") is True
