@@ -43,14 +43,21 @@ logging.getLogger("math_verify").setLevel(logging.ERROR)
 # the trainer closes their pipe, or kills them.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
 
-_BOX_OPEN = re.compile(r"\\(?:boxed|fbox)\s*\{")
+# A box opens its group (`\\boxed{42}`, `\\boxed {42}`) or, without braces, boxes what follows a space
+# (`\\boxed 42`: the whole number, which is what a model writing it means, not TeX's single token).
+_BOX_OPEN = re.compile(r"\\(?:boxed|fbox)(?:\s*\{|\s+(?=[^\s{]))")
+_UNBRACED = re.compile(r"[^\s$]+")
+# Thin and other spaces between digit groups (`1\,000`, `1\;000`, `1~000`): math-verify reads
+# `1\,000` as no number; they go, as the thousands commas it already reads do.
+_DIGIT_GROUP_SPACE = re.compile(r"(?<=\d)(?:\\[,;:!]|\\ |~)\s*(?=\d{3}(?!\d))")
 # ASCII digits only: math-verify reads Arabic-Indic (١٢٣٤) or full-width (１２３４) digits as no
 # number at all, and the fast path must not decide otherwise than math-verify would.
 _PLAIN_INT = re.compile(r"-?[0-9]{1,50}")
 
 
 def last_boxed(text: str) -> str | None:
-    """Content of the last `\\boxed{...}` or `\\fbox{...}` (nested braces allowed), or None.
+    """Content of the last `\\boxed{...}` or `\\fbox{...}` (nested braces allowed), or None;
+    `\\boxed 42` without braces boxes the text up to the next space or `$` (a final full stop dropped).
 
     A last box that never closes (a truncated response) or is empty counts as no answer: an earlier
     box was not the final answer either.
@@ -59,6 +66,8 @@ def last_boxed(text: str) -> str | None:
     if not opens:
         return None
     start = k = opens[-1].end()
+    if not opens[-1].group().endswith("{"):
+        return _UNBRACED.match(text, start).group().rstrip(".,;:") or None
     depth = 1
     while k < len(text):
         if text[k] == "\\":  # an escape: \{ and \} are literal braces (sets), \\ a line break
@@ -143,10 +152,11 @@ class GradeResult:
     num_missing_box: int  # responses without a (closed, non-empty) box -> scored -1
 
 
-def _worker_main(fd: int) -> None:
+def _worker_main(fd: int, parent: int) -> None:
     """Grader worker: warm up, say "ready", then answer [(idx, answer, gold), ...] item by item."""
     for stop in STOP_SIGNALS:
         signal.signal(stop, signal.SIG_IGN)
+    _die_with(parent)
     conn = Connection(fd)
     _math_equal("\\frac{1}{2}", "0.5")  # first call builds math-verify's grammar: do it before work
     try:
@@ -158,6 +168,20 @@ def _worker_main(fd: int) -> None:
         return  # quietly, so that the parent's own error stays the last thing printed
 
 
+def _die_with(parent: int) -> None:
+    """On Linux, the kernel kills this worker when the process that started it dies, even by SIGKILL
+    or the OOM killer: a worker busy in C-level arithmetic reads no pipe, ignores the stop signals,
+    and would otherwise run on for good. (Linux ties it to the thread that started it: a Grader is
+    made and used by one thread. Elsewhere the worker stops at its next read of the pipe.)"""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # it died before the line above
+        os._exit(0)
+
+
 class _Worker:
     """One grader process: a fresh interpreter that runs this file alone (never torch).
 
@@ -167,7 +191,8 @@ class _Worker:
 
     def __init__(self):
         parent_end, child_end = Pipe()
-        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), str(child_end.fileno())],
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), str(child_end.fileno()),
+                                      str(os.getpid())],
                                      pass_fds=[child_end.fileno()], stdin=subprocess.DEVNULL)
         child_end.close()
         self.conn = parent_end
@@ -235,7 +260,7 @@ class Grader:
             if answer is None:
                 missing += 1
                 continue
-            gold = _gold_text(str(ground_truth))
+            answer, gold = _DIGIT_GROUP_SPACE.sub("", answer), _DIGIT_GROUP_SPACE.sub("", _gold_text(str(ground_truth)))
             verdict = _fast_verdict(answer, gold)
             if verdict is None:
                 todo.append((i, answer, gold))
@@ -313,5 +338,5 @@ def terminal_rewards(outcomes, response_mask):
     return rewards
 
 
-if __name__ == "__main__":  # a grader worker (`_Worker`): argv[1] is its end of the socket pair
-    _worker_main(int(sys.argv[1]))
+if __name__ == "__main__":  # a grader worker (`_Worker`): argv[1] is its end of the socket pair, argv[2] its parent
+    _worker_main(int(sys.argv[1]), int(sys.argv[2]))

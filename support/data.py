@@ -107,9 +107,10 @@ def field(record: dict, key: str):
 
 
 GSM8K_MARK = "####"
-# The answer after the mark: a sign, digits with thousands separators (commas; spaces or thin
-# spaces before three digits), a decimal part or a bare one (.5), and a fraction (3/4).
-_NUMBER = re.compile(r"[-\u2212]?(?:\d+(?:,\d+|[ \u2009\u202f]\d{3}(?!\d))*)?(?:\.\d+)?(?:/\d+)?")
+# The answer after the mark: a sign (before or after a dollar sign), digits with thousands
+# separators (commas; spaces or thin spaces before three digits), a decimal part or a bare one
+# (.5), and a fraction (3/4).
+_NUMBER = re.compile(r"\$?[-\u2212]?\$?(?:\d+(?:,\d+|[ \u2009\u202f]\d{3}(?!\d))*)?(?:\.\d+)?(?:/\d+)?")
 
 
 def gold_answer(answer: str, answer_format: Literal["gsm8k", "math"] | None) -> str:
@@ -128,7 +129,7 @@ def gold_answer(answer: str, answer_format: Literal["gsm8k", "math"] | None) -> 
     numbers = [m for m in _NUMBER.findall(answer.rpartition(GSM8K_MARK)[2]) if any(c.isdigit() for c in m)]
     if not numbers:
         raise ValueError(f"no number after '{GSM8K_MARK}' in the answer (GSM8K format)")
-    number = re.sub(r"[, \u2009\u202f]", "", numbers[0]).replace("\u2212", "-")
+    number = re.sub(r"[$, \u2009\u202f]", "", numbers[0]).replace("\u2212", "-")
     return re.sub(r"^(-?)\.", r"\g<1>0.", number)  # .5 -> 0.5
 
 

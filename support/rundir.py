@@ -186,9 +186,14 @@ def json_safe(obj):
 
 
 def write_json(path: str, obj) -> None:
-    """Written whole or not at all (a kill mid-write must not leave a file the next run cannot read)."""
+    write_whole(path, json.dumps(json_safe(obj), indent=2, allow_nan=False))
+
+
+def write_whole(path: str, text: str) -> None:
+    """Written aside and swapped in: a kill mid-write leaves the old file or the new one, never a
+    part the next run cannot read."""
     with open(path + ".tmp", "w") as f:
-        json.dump(json_safe(obj), f, indent=2, allow_nan=False)
+        f.write(text)
     os.replace(path + ".tmp", path)
 
 
@@ -316,9 +321,7 @@ class MetricsLog:
             if torn is not None:
                 tqdm.write(f"{self.path}: dropped its last line, cut short when the run stopped ({torn[:60]!r})")
             kept = [line for step, line in rows if step <= keep_up_to_step]
-        with open(self.path + ".tmp", "w") as f:  # swapped in whole: a kill mid-write keeps the old log
-            f.writelines(kept)
-        os.replace(self.path + ".tmp", self.path)
+        write_whole(self.path, "".join(kept))  # a kill mid-write keeps the old log
         self.tb = SummaryWriter(run_dir, purge_step=keep_up_to_step + 1)  # drop the replayed steps
 
     def write(self, step: int, metrics: dict) -> None:

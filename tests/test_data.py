@@ -359,7 +359,7 @@ def test_several_files_a_folder_a_glob_and_json_arrays(tmp_path):
 @pytest.mark.parametrize("answer, gold", [
     ("#### 72", "72"), ("#### 1,000", "1000"), ("#### 1 000 000", "1000000"), ("#### 1\u202f000", "1000"),
     ("#### .5", "0.5"), ("#### -.25", "-0.25"), ("#### 3/4", "3/4"), ("#### \u22125", "-5"),
-    ("#### $1,200 a month", "1200"), ("#### 18 dollars per 2 hours", "18"), ("x\n#### 3\n#### 4", "4"),
+    ("#### $1,200 a month", "1200"), ("#### -$5", "-5"), ("#### $-5", "-5"), ("#### 18 dollars per 2 hours", "18"), ("x\n#### 3\n#### 4", "4"),
 ])
 def test_a_gsm8k_gold_is_the_whole_number_after_the_mark(answer, gold):
     """It took the last run of digits: .5 -> 5, 3/4 -> 4, 1 000 000 -> 000, a Unicode minus dropped."""

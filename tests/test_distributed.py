@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from dist_workers.common import run_torchrun, tiny_actor
+from dist_workers.common import full_disk, run_torchrun, tiny_actor
 from support import checkpoints
 from support.checkpoints import export_hf_checkpoint, iter_full_weights
 from fsdp_utils import shard_model
@@ -254,9 +254,6 @@ def test_a_save_killed_between_its_renames_resumes_from_the_newest_complete_chec
     assert not os.path.exists(path)
     assert checkpoints.latest_checkpoint(path) == path + ".tmp"  # step 2, complete
     assert checkpoints.load_checkpoint(path + ".tmp", models, optimizers)["step"] == 2
-
-    def full_disk(*args, **kwargs):
-        raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(checkpoints.dcp, "save", full_disk)  # the resumed run's next save fails too
     with pytest.raises(checkpoints.CheckpointError, match="No space left"):

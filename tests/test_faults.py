@@ -22,6 +22,7 @@ from support import rundir
 import train
 import value_pretrain
 from support.config import ConfigError
+from dist_workers.common import full_disk
 from test_train import MICRO, ROOT, TORCHRUN, micro_config, read_metrics
 
 FLAGS = ["--value-pretrain-steps", "1", "--save-every", "1"]
@@ -131,8 +132,7 @@ def test_a_full_disk_during_a_save_names_the_cause_and_keeps_the_last_checkpoint
     run_dir = moved / "base"
 
     class FullDisk(io.FileIO):
-        def write(self, data):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        write = full_disk
 
     monkeypatch.setattr(FileSystem, "create_stream", lambda self, path, mode: FullDisk(path, mode))
     with pytest.raises(checkpoints.CheckpointError, match=rf"cannot save a checkpoint to {run_dir}/checkpoint: No "
@@ -155,9 +155,6 @@ def test_no_hugging_face_snapshot_is_lost_to_a_failed_export_or_to_extending_a_f
     resume(moved, "--steps", "5", "--save-hf-every", "2")
     assert _same(load_file(run_dir / "actor_hf_steps" / "step_4" / "model.safetensors"), after_4_steps)
     assert sorted(p.name for p in (run_dir / "actor_hf_steps").iterdir()) == ["step_4"]  # the 5th: actor_hf
-
-    def full_disk(*args, **kwargs):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(checkpoints, "save_file", full_disk)
     with pytest.raises(checkpoints.CheckpointError, match=rf"cannot export a Hugging Face checkpoint to "

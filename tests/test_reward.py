@@ -32,6 +32,11 @@ def test_rule_reward_agrees_with_math_verify_suite(case):
     ("\\boxed{1,234,567}", "1234567"),
     ("\\boxed{ 2 \\sqrt{ 2 } }", "\\sqrt{8}"),
     ("\\boxed{x=3}", "3"),
+    ("so the answer is $\\boxed 42$.", "42"),  # TeX's box without braces
+    ("\\boxed 0.5.", "\\frac12"),
+    ("\\boxed{1\\,000}", "1000"),  # thin spaces between digit groups
+    ("\\boxed{1\\;000\\;000}", "1,000,000"),
+    ("\\boxed{2500}", "2\\,500"),
 ])
 def test_equivalent_forms_score_plus_one(response, gold):
     assert rule_reward(response, gold) == 1.0
@@ -147,6 +152,35 @@ def test_grader_workers_do_not_load_torch():
     out = subprocess.run([sys.executable, "-c", "import reward, sys; print('torch' in sys.modules)"],
                          cwd=os.path.dirname(reward.__file__), capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kernel's parent-death signal is Linux's")
+def test_a_busy_worker_dies_with_a_trainer_killed_outright():
+    """A worker stuck in the power tower ignores the stop signals and reads no pipe: a trainer killed
+    by SIGKILL (or the OOM killer) left it running for good, re-parented to init."""
+    code = """
+import sys
+import reward
+grader = reward.Grader(num_workers=1, timeout_s=600.0)
+grader.grade(["\\\\boxed{0.5}"], ["1/2"])
+print(grader.workers[0].proc.pid, flush=True)
+grader.grade([sys.argv[1]], ["1"])
+"""
+    trainer = subprocess.Popen([sys.executable, "-c", code, HANG], cwd=Path(reward.__file__).parent,
+                               stdout=subprocess.PIPE, text=True)
+    worker = int(trainer.stdout.readline())
+    time.sleep(1.0)  # grading the tower by now
+    assert Path(f"/proc/{worker}/stat").read_text().split()[2] == "R"
+    trainer.kill()
+    trainer.wait()
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{worker}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    gone = not Path(f"/proc/{worker}").exists()
+    if not gone:
+        os.kill(worker, 9)
+    assert gone
 
 
 def test_the_math_verify_cases_are_all_there():

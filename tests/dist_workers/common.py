@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -15,6 +16,11 @@ from support.task import build_tokenizer, make_tiny_model
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Rows 0-2 go to rank 0 and rows 3-4 to rank 1; the prompts ending in "7" stop at once (see below).
 PROMPTS = ["+123+456=\n", "+17+7", "+1+2+3+4+5+6=\n", "+77+5=\n", "+40+47"]
+
+
+def full_disk(*args, **kwargs):
+    """A write that fails as on a full disk (patched over a writer by the fault tests)."""
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
 def tiny_actor(seed: int = 0):

@@ -20,7 +20,6 @@
 Each rank writes rank<r>.json into argv[1]; the test asserts on the numbers.
 """
 
-import errno
 import os
 import sys
 
@@ -28,7 +27,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
-from common import tiny_actor, write_result
+from common import full_disk, tiny_actor, write_result
 from critic import load_value_model
 from fsdp_utils import all_reduce, close_distributed, exit_now_if_gloo, init_distributed, is_main, reduce_metrics, shard_model
 import support.checkpoints
@@ -172,10 +171,6 @@ if is_main():
     }
 # Rank 0's disk fills at its first shard: rank 1 is still in the gathers of the next ones, so both
 # must finish them and raise, not hang; the export before is kept and no .tmp is left.
-def full_disk(*args, **kwargs):
-    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-
 support.checkpoints.save_file, saved = full_disk, support.checkpoints.save_file
 try:
     export_hf_checkpoint(model, tokenizer, export, shard_bytes=1 << 20)
