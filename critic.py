@@ -267,5 +267,5 @@ def prepare_orm(cfg, sft_path: str, sampler: Sampler, records: list[dict]) -> st
                        f"graded samples, loss {history[-1]['orm/loss']:.3f}; held-out AUC "
                        f"{held_out.get('auc', float('nan')):.3f} on {held_out.get('responses', 0)} responses -> {path}")
 
-    build_once(path, orm_settings(cfg), build, remedy="delete it to train a new one")
+    build_once(path, orm_settings(cfg), build, owner=cfg.run_name, remedy="delete it to train a new one")
     return path

@@ -182,6 +182,21 @@ def rank_seed(seed: int | None) -> int:
     return int(torch.randint(0, 2**62, ())) if seed is None else seed + rank()
 
 
+def stop_and_pad_ids(tokenizer, generation_config: GenerationConfig | None) -> tuple[list[int], int]:
+    """(the tokens that end a response, the padding token): the tokenizer's EOS and every end token
+    the checkpoint's generation_config.json lists (chat models list several: Qwen2.5-Instruct
+    <|im_end|> and <|endoftext|>), which vLLM, TRL and verl stop on too. ValueError naming the
+    fix when the tokenizer has no EOS or no pad token."""
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    if eos is None or pad is None:
+        raise ValueError(f"the tokenizer has no {'eos_token' if eos is None else 'pad_token'} (Llama's has no pad "
+                         f"token): set it in the model's tokenizer_config.json, the pad token to a special token "
+                         f"the model never generates")
+    listed = getattr(generation_config, "eos_token_id", None)
+    listed = [] if listed is None else [listed] if isinstance(listed, int) else list(listed)
+    return [eos, *(t for t in dict.fromkeys(listed) if t != eos)], pad
+
+
 def check_sampling(temperature: float, top_p: float) -> None:
     """The sampling settings `generate` accepts: temperature >= 0 (0: greedy), top_p in (0, 1]."""
     if not temperature >= 0 or not 0 < top_p <= 1:
@@ -218,9 +233,7 @@ class HFRollout:
 
     def __init__(self, model, tokenizer):
         self.model, self.tokenizer = model, tokenizer
-        self.eos_id, self.pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
-        if self.eos_id is None or self.pad_id is None:
-            raise ValueError("tokenizer: needs both an eos_token and a pad_token")
+        self.stop_ids, self.pad_id = stop_and_pad_ids(tokenizer, getattr(model, "generation_config", None))
 
     def padded_prompts(self, prompt_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """The prompts left-padded, and their mask, on the model's device."""
@@ -255,15 +268,15 @@ class HFRollout:
                     top_p=None if greedy else top_p,
                     top_k=None,
                     max_new_tokens=max_new_tokens,
-                    eos_token_id=self.eos_id,
+                    eos_token_id=self.stop_ids,
                     pad_token_id=self.pad_id,
                     output_logits=True,
                     return_dict_in_generate=True,
                 )
         self.model.train(was_training)
         response = out.sequences[:, ids.shape[1] :]
-        # Tokens up to and including the first EOS are the response; `generate` pads after it.
-        is_eos = response == self.eos_id
+        # Tokens up to and including the first end token are the response; `generate` pads after it.
+        is_eos = torch.isin(response, torch.tensor(self.stop_ids, device=response.device))
         after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
         response_mask = (~after_eos).float()
         logits = torch.stack(out.logits, dim=1).float() / (1.0 if greedy else temperature)
@@ -315,9 +328,7 @@ class VLLMRollout:
         enforce_eager: bool = True,
     ):
         """`load_format="dummy"` skips reading weights from disk: `sync_weights` must come first."""
-        self.eos_id, self.pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
-        if self.eos_id is None or self.pad_id is None:
-            raise ValueError("tokenizer: needs both an eos_token and a pad_token")
+        self.stop_ids, self.pad_id = stop_and_pad_ids(tokenizer, _generation_config(model_path))
         world = world_size()
         self.rank, self.tp = rank(), tensor_parallel_size
         if self.tp < 1 or world % self.tp:
@@ -394,7 +405,7 @@ class VLLMRollout:
                 temperature=temperature,
                 top_p=top_p if temperature > 0 else 1.0,
                 max_tokens=max_new_tokens,
-                stop_token_ids=[self.eos_id],  # the tokenizer's EOS, as HFRollout stops on
+                stop_token_ids=self.stop_ids,  # the end tokens HFRollout stops on
                 logprobs=0,  # the sampled token's log-prob only
                 detokenize=False,
                 seed=int(s),
@@ -468,6 +479,14 @@ class VLLMRollout:
         group = gathered[self.dp_rank * self.tp : (self.dp_rank + 1) * self.tp]
         start = sum(len(prompts) for prompts, _ in group[: self.rank % self.tp])
         return [p for prompts, _ in group for p in prompts], group[0][1], slice(start, start + len(prompt_ids))
+
+
+def _generation_config(path: str) -> GenerationConfig | None:
+    """The checkpoint's generation_config.json, if it has one."""
+    try:
+        return GenerationConfig.from_pretrained(path)
+    except OSError:
+        return None
 
 
 def _refresh_tied_head(worker) -> None:

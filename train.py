@@ -30,7 +30,7 @@ import fsdp_utils
 from support import memory_plan
 from support import preemption
 from support import rundir
-from support.config import Config, ConfigError, cpu_threads, launch_world_size, parse_config
+from support.config import Config, ConfigError, cpu_threads, launch_world_size, parse_config, positions_needed
 from critic import check_orm, critic_loss, load_value_model, prepare_orm, response_values
 from support.data import DataError, prepare_data, sample_prompts, stream_seed
 from evaluate import eval_sampler, evaluate, evaluate_once, val_metrics
@@ -248,16 +248,16 @@ def load_critic(cfg, path: str, dist_info):
 
 def build_engine(cfg, actor, path: str, tokenizer):
     """The rollout backend: HF `generate` or the fast decode loop on the actor itself, or a colocated vLLM engine."""
-    if cfg.rollout == "hf":
-        return HFRollout(actor, tokenizer)
-    if cfg.rollout == "hf-fast":
-        try:
+    try:  # a model or tokenizer it cannot sample with: said at start, in one line
+        if cfg.rollout == "hf":
+            return HFRollout(actor, tokenizer)
+        if cfg.rollout == "hf-fast":
             return FastHFRollout(actor, tokenizer)
-        except ValueError as err:  # a model it cannot decode: say so at start, as a bad flag
-            raise ConfigError(str(err)) from None
-    return VLLMRollout(path, tokenizer, tensor_parallel_size=cfg.tensor_parallel_size,
-                       max_model_len=cfg.max_prompt_tokens + max(cfg.max_new_tokens, cfg.eval_max_new_tokens or 0),
-                       gpu_memory_utilization=cfg.gpu_memory_utilization, seed=cfg.seed)
+        return VLLMRollout(path, tokenizer, tensor_parallel_size=cfg.tensor_parallel_size,
+                           max_model_len=positions_needed(cfg), gpu_memory_utilization=cfg.gpu_memory_utilization,
+                           seed=cfg.seed)
+    except ValueError as err:
+        raise ConfigError(f"--model {path}: {err}" if cfg.model else str(err)) from None
 
 
 def export_actor(cfg, actor, tokenizer, path: str) -> None:

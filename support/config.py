@@ -36,6 +36,9 @@ class Config:
     """seeds rollouts, prompt order and mini-batch order (a resumed run replays them exactly)"""
     resume: bool = False
     """continue from <run_dir>/checkpoint if it exists"""
+    overwrite: bool = False
+    """start PPO over in a run directory that holds checkpoints, replacing them and its metrics (without
+    --resume or this, such a rerun stops: a resubmitted job must not lose its progress)"""
     plan: bool = False
     """print the per-GPU memory plan for this config and world size, then exit"""
     threads: int | None = None
@@ -316,6 +319,7 @@ class Config:
             "eval_samples": (self.eval_samples >= 1, ">= 1"),
             "eval_fraction": (0.0 < self.eval_fraction < 1.0, "in (0, 1)"),
             "save_every": (self.save_every >= 1, ">= 1"),
+            "overwrite": (not (self.overwrite and self.resume), "unset with --resume"),
             "threads": (self.threads is None or self.threads >= 1, ">= 1, or unset"),
             "sft_steps": (self.sft_steps is None or self.sft_steps >= 1, ">= 1, or unset"),
             # A directory of its own under out_dir; _shared holds the caches (pi_SFT, ORM).
@@ -416,6 +420,11 @@ def check_settings(where: str, stored: dict, wanted: dict, ignore=(), remedy: st
         shown = ", ".join(f"--{k.replace('_', '-')} {stored[k]!r} -> {wanted[k]!r}" if k in stored
                           else f"--{k.replace('_', '-')} (not recorded) -> {wanted[k]!r}" for k in diff)
         raise ConfigError(f"{where} was made with other settings ({shown}); {remedy}")
+
+
+def positions_needed(cfg: Config) -> int:
+    """The longest sequence a run samples: the longest prompt kept and the longest response."""
+    return cfg.max_prompt_tokens + max(cfg.max_new_tokens, cfg.eval_max_new_tokens or 0)
 
 
 def launch_world_size(cfg: Config) -> int:

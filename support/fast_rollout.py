@@ -218,12 +218,13 @@ class FastHFRollout(HFRollout):
         was_training = model.training
         model.eval()
         decoder = Decoder(model, ids, mask, max_new_tokens)
+        stop_ids = torch.tensor(self.stop_ids, device=device)
         logits, done = decoder.logits, False  # done: every row of this rank has stopped
         for t in range(max_new_tokens):
             if not done:
                 tokens, token_logprobs = sample_tokens(logits, temperature, top_p, generator)
                 response[rows, t], logprobs[rows, t] = tokens, token_logprobs
-                stopped = tokens == self.eos_id
+                stopped = torch.isin(tokens, stop_ids)
                 if stopped.any() and t + 1 < max_new_tokens:  # at the last position there is nothing to drop
                     lengths[rows[stopped]] = t + 1
                     going = (~stopped).nonzero().squeeze(1)
@@ -242,7 +243,7 @@ class FastHFRollout(HFRollout):
         model.train(was_training)
         width = int(lengths.max())  # as `generate`: as wide as the longest response
         response, logprobs = response[:, :width], logprobs[:, :width]
-        stopped = response.gather(1, (lengths - 1)[:, None]).squeeze(1) == self.eos_id
+        stopped = torch.isin(response.gather(1, (lengths - 1)[:, None]).squeeze(1), stop_ids)
         response_mask = (torch.arange(width, device=device)[None] < lengths[:, None]).float()
         return RolloutBatch(
             prompt_ids=ids,

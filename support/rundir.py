@@ -46,7 +46,7 @@ STAGE_SETTINGS = "settings.json"  # in a cached stage's directory: what it was b
 # What may differ between a run directory's config.json and a rerun or --resume of it: the run's
 # length, and how it runs (memory savers and throughput levers too, to resume a run that ran out of
 # memory or time), and where the run directory is (it may move). No cached stage is keyed on them.
-MAY_CHANGE = ("resume", "out_dir", "threads", "steps", "save_every", "save_hf_every", "eval_every", "grader_workers",
+MAY_CHANGE = ("resume", "overwrite", "out_dir", "threads", "steps", "save_every", "save_hf_every", "eval_every", "grader_workers",
               "grader_timeout_s", "wandb_project", "micro_batch_size", "activation_checkpointing", "cpu_offload",
               "gpu_memory_utilization", "checkpoint_fraction", "micro_batch_tokens", "logprob_chunk_tokens",
               "compile_layers")
@@ -122,7 +122,8 @@ def _lock(path: str) -> tuple[int | None, str]:
 
 def check(cfg: Config) -> str:
     """The run's directory, read and not written: stops if its config.json holds other settings
-    (see MAY_CHANGE), if it holds outputs but no config.json to check them against, or, with
+    (see MAY_CHANGE), if it holds outputs but no config.json to check them against, if it holds
+    checkpoints and neither --resume nor --overwrite says what to do with them, or, with
     --resume, if its checkpoints are all damaged, if its metrics.jsonl is damaged, or if it would
     start past --steps. A refused command leaves the directory as it was."""
     run_dir = os.path.join(cfg.out_dir, cfg.run_name)
@@ -134,6 +135,10 @@ def check(cfg: Config) -> str:
         raise ConfigError(f"{run_dir} holds {', '.join(reused)} but no config.json, the settings "
                          f"{'they were' if len(reused) > 1 else 'it was'} made with; choose another --run-name or "
                          f"delete it")
+    saved_before = checkpoints.saved_checkpoints(os.path.join(run_dir, "checkpoint"))
+    if saved_before and not (cfg.resume or cfg.overwrite):
+        raise ConfigError(f"{run_dir} holds {saved_before[0]}: --resume to continue from it, --overwrite to start "
+                          f"PPO over (replacing it and metrics.jsonl), or another --run-name")
     if cfg.resume and (found := checkpoints.latest_checkpoint(os.path.join(run_dir, "checkpoint"))):
         step = checkpoints.checkpoint_extra(found)["step"]
         if step + 1 > cfg.steps:
@@ -197,20 +202,24 @@ def write_whole(path: str, text: str) -> None:
     os.replace(path + ".tmp", path)
 
 
-def build_once(path: str, settings: dict, build, remedy: str = "delete it to build it again",
-               staging: str | None = None) -> bool:
+def build_once(path: str, settings: dict, build, owner: str, remedy: str = "delete it to build it again") -> bool:
     """A cached stage at `path`: reused when it exists (after checking its settings.json against
-    `settings`), else `build(staging)` writes it into `staging` (default <path>.partial), which then
-    gets settings.json and its final name. True if built now. `build` runs on every rank (a
-    collective export needs them all; a stage that one rank builds checks the rank itself); rank 0
-    renames. A build that finds `path` taken when it ends (another run built it meanwhile) is dropped."""
+    `settings`), else `build(staging)` writes it into `staging`, `<path>.partial-<owner>` (the run
+    building it: two runs building one stage at once never mix their files, and a killed build's
+    rerun finds its own leftovers), which then gets settings.json and its final name. True if built
+    now. `build` runs on every rank (a collective export needs them all; a stage that one rank
+    builds checks the rank itself); rank 0 renames. A build that finds `path` taken when it ends
+    (another run built it meanwhile) is dropped, as are the leftovers of an owner's killed build
+    once another run has built the stage."""
+    staging = f"{path}.partial-{owner}"
     # Every rank looks before any builds: ranks that decided apart would wait in different collectives.
     if fsdp_utils.any_rank(os.path.exists(path)):
         check_stage(path, settings, remedy)
+        if fsdp_utils.is_main():
+            shutil.rmtree(staging, ignore_errors=True)  # a value pretraining's checkpoint: the critic and Adam's state
         return False
     # A killed build's leftovers stay: value pretraining resumes from its checkpoint there, and
     # every file a build writes is written whole.
-    staging = staging or path + ".partial"
     os.makedirs(staging, exist_ok=True)
     build(staging)
     if fsdp_utils.is_main():
@@ -230,17 +239,19 @@ def build_shared(cfg, link: str, settings: dict, build) -> bool:
     runs of one seed in a lambda sweep repeat bit for bit. It is built once (`build_once`) into
     <out_dir>/_shared/<name of link>/<hash of settings>, and `link`, in the run directory, points
     there (a relative link: the out-dir can move). Each run stages its own build, so two runs
-    building it at once never mix their files, and a killed one resumes its own. True if built now."""
+    building it at once never mix their files, and a killed one resumes its own. True if built now.
+    A run resumed at another world size keeps the stage it linked (PPO restores the critic from
+    its own checkpoint; `resume` notes that the rest samples differently)."""
     if os.path.islink(link) and not os.path.exists(link):
         raise ConfigError(f"{link} points to {os.readlink(link)}, which is gone; delete the link to build it again")
     # Every rank looks before rank 0 links it (below): a rank that looked after it would skip the
     # barrier the others wait in, and train on alone (a deadlock).
     if fsdp_utils.any_rank(os.path.lexists(link)):  # linked by an earlier start of this run
-        check_stage(link, settings)
+        check_stage(link, settings, ignore=("world_size",))
         return False
     shared = shared_path(cfg, os.path.basename(link), settings)
     os.makedirs(os.path.dirname(shared), exist_ok=True)
-    built = build_once(shared, settings, build, staging=f"{shared}.partial-{cfg.run_name}")
+    built = build_once(shared, settings, build, owner=cfg.run_name)
     if fsdp_utils.is_main():
         os.symlink(os.path.relpath(shared, os.path.dirname(link)), link)
     fsdp_utils.barrier()
@@ -253,7 +264,7 @@ def shared_path(cfg, name: str, settings: dict) -> str:
     return os.path.join(cfg.out_dir, "_shared", name, key)
 
 
-def check_stage(path: str, settings: dict, remedy: str = "delete it to build it again") -> None:
+def check_stage(path: str, settings: dict, remedy: str = "delete it to build it again", ignore=()) -> None:
     """Stop unless the cached stage at `path` records, in its settings.json, that it was built with
     `settings`. Without that file (a directory made by hand, by `python -m support.sft`, or by an older
     version) it cannot be told from another experiment's, so it is refused, never taken as it is."""
@@ -261,7 +272,7 @@ def check_stage(path: str, settings: dict, remedy: str = "delete it to build it 
     if not os.path.exists(saved):
         raise ConfigError(f"{path} holds no {STAGE_SETTINGS} with the settings it was built with, so it cannot "
                           f"be checked against this run's; {remedy}")
-    check_settings(path, read_json(saved, remedy), settings, remedy=remedy)
+    check_settings(path, read_json(saved, remedy), settings, ignore=ignore, remedy=remedy)
 
 
 def save(cfg, run_dir: str, step: int, models: dict, optimizers: dict, schedulers: list) -> None:
@@ -286,9 +297,9 @@ def resume(cfg, run_dir: str, models: dict, optimizers: dict, schedulers: list) 
             tqdm.write(f"note: world size {world}, checkpoint written at {saved_world}: the rest of the run "
                        f"samples differently than the uninterrupted run would have")
         return start
-    if (found := checkpoints.saved_checkpoints(ckpt)) or cfg.resume:
+    if (found := checkpoints.saved_checkpoints(ckpt)) or cfg.resume:  # found: --overwrite (check)
         tqdm.write(f"{'found' if found else 'no checkpoint at'} {ckpt}: PPO starts at step 0, and replaces "
-                   f"{run_dir}/metrics.jsonl{'' if cfg.resume else ' (--resume continues from it)'}")
+                   f"{'it and ' if found else ''}{run_dir}/metrics.jsonl")
     return 0
 
 

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from support import task
+from support.config import positions_needed
 from fsdp_utils import is_main
 from rollout import HFRollout, decode_responses
 from support.rundir import STAGE_SETTINGS, build_once, write_json
@@ -187,10 +188,12 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-def check_model(path: str, weights: bool = True) -> None:
+def check_model(path: str, weights: bool = True, positions: int | None = None) -> None:
     """Stop with one line naming `path` and its fault, before anything loads it, unless it holds a
-    config.json of a causal LM that transformers knows and (`weights`) safetensors whose headers
-    cover the files, and a tokenizer (without one, transformers 5 makes an empty one, silently)."""
+    config.json of a causal LM that transformers knows (not a value or reward model: its head would
+    be dropped in silence) with room for `positions` (prompt + response) in its context, and
+    (`weights`) safetensors whose headers cover the files, and a tokenizer (without one,
+    transformers 5 makes an empty one, silently)."""
     from transformers import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -207,6 +210,14 @@ def check_model(path: str, weights: bool = True) -> None:
     if model_type not in CONFIG_MAPPING or model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise ModelError(f"{where}: config.json's model_type {model_type!r} is not a causal LM that this "
                          f"transformers knows")
+    scalar_heads = [a for a in config.get("architectures") or [] if str(a).endswith(SCALAR_HEADS)]
+    if scalar_heads:
+        raise ModelError(f"{where}: a {scalar_heads[0]} (a value or reward model's scalar head), not a policy; "
+                         f"--model takes the causal LM that PPO trains")
+    context = _context_length(config)
+    if positions is not None and context is not None and positions > context:
+        raise ModelError(f"{where}: its context holds {context} positions (max_position_embeddings), and "
+                         f"--max-prompt-tokens + --max-new-tokens (or --eval-max-new-tokens) ask for {positions}")
     if not weights:
         return
     found = [name for name in WEIGHT_FILES if (root / name).is_file()]
@@ -232,6 +243,19 @@ def check_model(path: str, weights: bool = True) -> None:
             raise ModelError(f"{where}: {shard.name} is unreadable, truncated? ({e})") from None
     if not any((root / name).is_file() for name in TOKENIZER_FILES):
         raise ModelError(f"{where}: no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
+
+
+SCALAR_HEADS = ("ForTokenClassification", "ForSequenceClassification")  # what critics and reward models are saved as
+
+
+def _context_length(config: dict) -> int | None:
+    """max_position_embeddings, times a RoPE scaling factor when the config sets one (YaRN), else None."""
+    length = config.get("max_position_embeddings")
+    if not isinstance(length, int):
+        return None
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    factor = rope.get("factor") if isinstance(rope, dict) else None
+    return int(length * factor) if isinstance(factor, (int, float)) and factor > 1 else length
 
 
 # What `python -m support.sft` may change without changing pi_SFT: where it goes, how batches are split.
@@ -260,7 +284,7 @@ def prepare_sft(cfg) -> str:
     (`cfg.sft_steps` steps, None: the default) and reused by every later run whose settings it was made with (a cached
     stage, `rundir.build_once`)."""
     if cfg.model is not None:
-        check_model(cfg.model)
+        check_model(cfg.model, positions=positions_needed(cfg))
         return cfg.model
     path = Path(sft_cache_path(cfg))
     wanted = sft_config(cfg)
@@ -270,7 +294,7 @@ def prepare_sft(cfg) -> str:
             summary = train_sft(replace(wanted, out_dir=staging))
             (Path(staging) / "sft_summary.json").write_text(json.dumps({**summary, "out_dir": str(path)}, indent=2))
 
-    built = build_once(str(path), sft_settings(wanted), build, remedy="delete it to train a new one")
+    built = build_once(str(path), sft_settings(wanted), build, owner=cfg.run_name, remedy="delete it to train a new one")
     print(f"SFT: {'saved to' if built else 'reusing'} {path}")  # the final name, not the staging one
     return str(path)
 

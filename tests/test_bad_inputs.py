@@ -243,6 +243,11 @@ def bad_models(sft: str, root: Path) -> dict:
         weights = path / "model.safetensors"
         weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
 
+    def edit(file, **fields):
+        def change(path):
+            (path / file).write_text(json.dumps({**json.loads((path / file).read_text()), **fields}))
+        return change
+
     return {
         "config.json is not JSON": variant("nonjson", lambda p: (p / "config.json").write_text("{not json")),
         "config.json has no model_type": variant("empty", lambda p: (p / "config.json").write_text("{}")),
@@ -250,13 +255,20 @@ def bad_models(sft: str, root: Path) -> dict:
         "no weights": variant("noweights", lambda p: (p / "model.safetensors").unlink()),
         "model.safetensors is unreadable, truncated": variant("truncated", truncate),
         "no tokenizer": variant("notokenizer", lambda p: [f.unlink() for f in p.glob("tokenizer*")]),
+        # A critic saved by a run: its scalar head was dropped in silence and the rest trained as the policy.
+        "a Qwen2ForTokenClassification \\(a value or reward model's scalar head\\), not a policy":
+            variant("critic", edit("config.json", architectures=["Qwen2ForTokenClassification"])),
+        # Sampled past the positions the model was trained on (hf), or a vLLM traceback after loading.
+        "its context holds 48 positions .* ask for 552": variant("short", edit("config.json", max_position_embeddings=48)),
+        "the tokenizer has no pad_token \\(Llama's has no pad token\\)":
+            variant("nopad", edit("tokenizer_config.json", pad_token=None)),
     }
 
 
 def test_a_bad_model_directory_stops_with_one_line_naming_it(out_dir, sft, tmp_path):
     for fault, path in bad_models(sft, tmp_path).items():
         refused(out_dir, "--run-name", "badmodel", "--model", path, *QUICK, match=rf"--model {re.escape(path)}: {fault}")
-        if fault in ("no weights", "model.safetensors is unreadable, truncated", "no tokenizer"):
+        if fault.startswith(("no weights", "model.safetensors is unreadable", "no tokenizer", "its context", "the tok")):
             error, stdout = plan(out_dir, "--model", path)  # --plan reads the config alone
             assert error is None and "peak" in stdout, error
         else:

@@ -159,3 +159,23 @@ def test_sampling_settings_out_of_range_are_refused(policy, engine, temperature,
     model, tokenizer = policy
     with pytest.raises(ValueError, match="temperature must be >= 0 and top_p in"):
         engine(model, tokenizer).generate([tokenizer("+21=\n")["input_ids"]], 4, temperature=temperature, top_p=top_p)
+
+
+@pytest.mark.parametrize("engine", [HFRollout, FastHFRollout])
+def test_every_end_token_the_checkpoint_lists_stops_a_response(engine):
+    """Chat models list several end tokens in generation_config.json (Qwen2.5-Instruct: <|im_end|> and
+    <|endoftext|>); only the tokenizer's EOS stopped a response, so rows ran on past the others and
+    were scored as cut. tiny_actor stops greedily with "<eos>" after a "7"; here the tokenizer's EOS
+    is "<unk>" and "<eos>" is only listed by the checkpoint."""
+    tokenizer, model = tiny_actor()
+    prompts = [tokenizer(t)["input_ids"] for t in ["+17+7", "+40+47", "+1+2=\n"]]
+    eos = tokenizer.eos_token_id
+    listed = engine(model, tokenizer).generate(prompts, 24, temperature=0)
+    tokenizer.eos_token = "<unk>"
+    model.generation_config.eos_token_id = [tokenizer.unk_token_id, eos]
+    assert engine(model, tokenizer).stop_ids == [tokenizer.unk_token_id, eos]
+    batch = engine(model, tokenizer).generate(prompts, 24, temperature=0)
+    assert torch.equal(batch.response_ids, listed.response_ids) and batch.finish_reasons == listed.finish_reasons
+    assert batch.finish_reasons == ["stop", "stop", "length"]
+    model.generation_config.eos_token_id = tokenizer.unk_token_id  # listed no more: the rows run to the end
+    assert engine(model, tokenizer).generate(prompts, 24, temperature=0).finish_reasons == ["length"] * 3

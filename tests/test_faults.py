@@ -182,6 +182,23 @@ def _same(saved: dict, actor: dict) -> bool:
     return bool(saved) and all(t.equal(actor[name]) for name, t in saved.items())
 
 
+def test_a_rerun_without_resume_is_refused_rather_than_started_over_and_overwrite_starts_over(base, tmp_path):
+    """The same command resubmitted without --resume started PPO over: its first save pushed the
+    finished checkpoint to checkpoint.old and its second deleted it, and metrics.jsonl was replaced."""
+    moved = moved_copy(base, tmp_path)
+    run_dir = moved / "base"
+    before = {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+    with pytest.raises(ConfigError, match=rf"{run_dir} holds {run_dir}/checkpoint: --resume to continue from it, "
+                                          rf"--overwrite to start PPO over"):
+        train.main(micro_config(moved, "--run-name", "base", "--steps", "4", *FLAGS))
+    assert {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()} == before
+    with pytest.raises(ConfigError, match=r"--overwrite = True \(must be unset with --resume\)"):
+        micro_config(moved, "--run-name", "base", "--resume", "--overwrite")
+    train.main(micro_config(moved, "--run-name", "base", "--steps", "1", "--overwrite", *FLAGS))
+    assert [r["step"] for r in read_metrics(run_dir)] == [0]
+    assert checkpoints.checkpoint_extra(str(run_dir / "checkpoint"))["step"] == 0
+
+
 def test_a_read_only_out_dir_is_refused_before_any_model_loads(tmp_path, monkeypatch):
     """Item 6: an OSError [Errno 30] traceback after model loading. Faked at the first write (the
     tests run as root, for whom no directory is read-only)."""

@@ -2,13 +2,13 @@
 
 import json
 import random
-from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from support import sft
+from support.config import Config
 from support import task
 
 
@@ -97,21 +97,21 @@ def test_evaluate_task_samples_and_parses_an_untrained_model():
 
 
 def test_prepare_sft_trains_once_then_reuses_the_cache(tmp_path, monkeypatch, capsys):
-    cfg = SimpleNamespace(model=None, out_dir=str(tmp_path), sft_steps=2, task_length="short")
+    cfg = Config(model=None, out_dir=str(tmp_path), sft_steps=2, task_length="short")
     path = sft.prepare_sft(cfg)
     logged = capsys.readouterr().out
     assert f"SFT: saved to {path}" in logged and "sft.partial" not in logged  # where it is, not where it was
     assert path == str(tmp_path / "_shared" / "sft") and (tmp_path / "_shared" / "sft" / "sft_summary.json").exists()
-    assert not (tmp_path / "_shared" / "sft.partial").exists()
+    assert not list((tmp_path / "_shared").glob("sft.partial*"))
     monkeypatch.setattr(sft, "train_sft", lambda *a, **k: pytest.fail("the cached pi_SFT was retrained"))
     assert sft.prepare_sft(cfg) == path
-    assert sft.prepare_sft(SimpleNamespace(model=path, out_dir="elsewhere", sft_steps=2)) == path
+    assert sft.prepare_sft(Config(model=path, out_dir="elsewhere", sft_steps=2)) == path
     with pytest.raises(sft.ModelError, match="no Hugging Face checkpoint there"):
-        sft.prepare_sft(SimpleNamespace(model=str(tmp_path), out_dir=str(tmp_path), sft_steps=2))
+        sft.prepare_sft(Config(model=str(tmp_path), out_dir=str(tmp_path), sft_steps=2))
 
 
 def test_the_long_task_has_its_own_pi_sft_cache_with_wide_lines(tmp_path):
-    cfg = SimpleNamespace(model=None, out_dir=str(tmp_path), sft_steps=1, task_length="long")
+    cfg = Config(model=None, out_dir=str(tmp_path), sft_steps=1, task_length="long")
     path = sft.prepare_sft(cfg)
     assert path == str(tmp_path / "_shared" / "sft-long") == sft.sft_cache_path(cfg)
     saved = json.loads((tmp_path / "_shared" / "sft-long" / "sft_summary.json").read_text())["config"]
@@ -129,13 +129,13 @@ def test_a_cached_pi_sft_is_reused_only_with_the_settings_it_records(tmp_path):
     # As `python -m support.sft` does: its report flags (eval_problems, threads, ...) are not the model's settings.
     sft.train_sft(sft.Args(out_dir=str(cache), steps=2, micro_batch_size=2, eval_problems=0, threads=2))
     assert "threads" not in json.loads((cache / "settings.json").read_text())
-    assert sft.prepare_sft(SimpleNamespace(model=None, out_dir=str(tmp_path), sft_steps=2, task_length="short")) == str(cache)
+    assert sft.prepare_sft(Config(model=None, out_dir=str(tmp_path), sft_steps=2, task_length="short")) == str(cache)
     with pytest.raises(ConfigError, match=r"sft was made with other settings \(--sft-steps 2 -> 3\)"):
-        sft.prepare_sft(SimpleNamespace(model=None, out_dir=str(tmp_path), sft_steps=3, task_length="short"))
+        sft.prepare_sft(Config(model=None, out_dir=str(tmp_path), sft_steps=3, task_length="short"))
     settings = json.loads((cache / "settings.json").read_text())
     (cache / "settings.json").write_text(json.dumps({**settings, "lr": 1e-2, "num_layers": 2}))
     with pytest.raises(ConfigError, match=r"\(--lr 0.01 -> 0.003, --num-layers 2 -> 3\)"):
-        sft.prepare_sft(SimpleNamespace(model=None, out_dir=str(tmp_path), sft_steps=2, task_length="short"))
+        sft.prepare_sft(Config(model=None, out_dir=str(tmp_path), sft_steps=2, task_length="short"))
     (cache / "settings.json").unlink()
     with pytest.raises(ConfigError, match="holds no settings.json"):
-        sft.prepare_sft(SimpleNamespace(model=None, out_dir=str(tmp_path), sft_steps=2, task_length="short"))
+        sft.prepare_sft(Config(model=None, out_dir=str(tmp_path), sft_steps=2, task_length="short"))

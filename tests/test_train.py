@@ -74,7 +74,7 @@ def test_micro_pipeline_runs_every_stage_and_logs_every_step(out_dir, micro_run)
     assert (out_dir / "_shared" / "sft" / "config.json").exists()
     assert (out_dir / "_shared" / "orm" / "config.json").exists()
     assert (out_dir / "_shared" / "orm" / "settings.json").exists()  # in before the final rename
-    assert not (out_dir / "_shared" / "orm.partial").exists()
+    assert not list((out_dir / "_shared").glob("orm.partial*"))
     assert (run_dir / "value_pretrain" / "curve.jsonl").exists()
     assert (run_dir / "value_pretrain" / "settings.json").exists()  # through the link to _shared/value_pretrain
     assert (run_dir / "checkpoint").is_dir() and (run_dir / "summary.json").exists()
@@ -461,15 +461,28 @@ def test_a_stage_two_runs_build_at_once_keeps_the_first_and_a_broken_link_is_nam
         (path / "theirs").write_text("")
         (path / "settings.json").write_text(json.dumps(settings))
 
-    assert rundir.build_once(str(path), settings, build_while_another_run_finishes, staging=f"{path}.partial-b")
+    assert rundir.build_once(str(path), settings, build_while_another_run_finishes, owner="b")
     assert sorted(p.name for p in path.iterdir()) == ["settings.json", "theirs"]
     assert not (tmp_path / "stage.partial-b").exists()
+    # Run c was killed building it (value pretraining leaves the critic and Adam's state there); once
+    # another run has built the stage, c's rerun takes that one and its leftovers go.
+    (tmp_path / "stage.partial-c" / "checkpoint").mkdir(parents=True)
+    assert not rundir.build_once(str(path), settings, lambda staging: None, owner="c")
+    assert not (tmp_path / "stage.partial-c").exists()
 
     cfg = micro_config(tmp_path, "--run-name", "r")
     (tmp_path / "r").mkdir()
     (tmp_path / "r" / "value_pretrain").symlink_to(tmp_path / "gone")
     with pytest.raises(config.ConfigError, match=r"value_pretrain points to .*gone, which is gone; delete the link"):
         rundir.build_shared(cfg, str(tmp_path / "r" / "value_pretrain"), settings, lambda staging: None)
+    # A run that pretrained its critic on 2 ranks resumes on 1: its own stage is kept, not refused.
+    (tmp_path / "r" / "value_pretrain").unlink()
+    (tmp_path / "r" / "value_pretrain").symlink_to(path)
+    (path / "settings.json").write_text(json.dumps({"x": 1, "world_size": 2}))
+    assert not rundir.build_shared(cfg, str(tmp_path / "r" / "value_pretrain"), {"x": 1, "world_size": 1},
+                                   lambda staging: None)
+    with pytest.raises(config.ConfigError, match=r"--x 1 -> 2"):  # any other setting still is
+        rundir.build_shared(cfg, str(tmp_path / "r" / "value_pretrain"), {"x": 2, "world_size": 1}, lambda s: None)
 
 
 @pytest.mark.parametrize("preset, world_size, params", [("qwen2.5-1.5b", 1, "1.54B"), ("qwen2.5-7b", 8, "7.62B"),
