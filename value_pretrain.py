@@ -148,6 +148,8 @@ def prepare_value_critic(cfg, run_dir: str, init_path: str, sampler: Sampler, re
 
     if not build_shared(cfg, path, pretrain_settings(cfg), build):
         critic = load(os.path.join(path, "critic"))  # pretrained by an earlier run
+    elif preemption.requested():  # a signal in the step after which it converged: the stage is complete, stop
+        raise preemption.stop(f"preempted as value pretraining converged: its critic is saved in {path}")
     curve = os.path.join(path, "curve.jsonl")
     if not os.path.exists(curve):
         return critic, None

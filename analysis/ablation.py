@@ -149,6 +149,8 @@ def run_grid(runs: list[Run], jobs: int, out_dir: str) -> tuple[float, list[Run]
     missing shared pi_SFT is trained first, here, on every core (every run reads it: they could only
     wait); each missing ORM (MSE, Bradley-Terry) is built by the first run that reads it, and the
     other runs that read it start once it is built, or once its builder has stopped."""
+    if jobs < 1:  # before a missing pi_SFT trains for minutes
+        raise ValueError(f"--jobs must be >= 1, got {jobs}")
     todo = [r for r in runs if not r.done]
     failed, start = [], time.time()
     if not todo:

@@ -10,6 +10,7 @@ a rerun reuses it. Either way the process exits with 128 + the signal's number (
 
 torchrun forwards the signal it receives to every rank, which SLURM has often signalled already: a
 repeat within REPEAT_S is the same request. A later one ends the process at once, without saving.
+(torchrun forwards SIGUSR1 only when `--signals-to-handle` lists it; otherwise it dies of it.)
 """
 
 from __future__ import annotations

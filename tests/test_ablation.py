@@ -74,6 +74,9 @@ def test_unknown_variant_and_nothing_to_read_are_clear_errors(tmp_path):
         ablation.main(ablation.Args(out_dir=str(tmp_path), variants=("ppo2",)), [])
     with pytest.raises(ValueError, match="no finished run"):
         ablation.main(ablation.Args(out_dir=str(tmp_path), variants=("ppo",), read_only=True), [])
+    with pytest.raises(ValueError, match="--jobs must be >= 1, got 0"):  # it was a ZeroDivisionError, after SFT
+        ablation.main(ablation.Args(out_dir=str(tmp_path), variants=("ppo",), jobs=0), [])
+    assert not (tmp_path / "_shared").exists()
 
 
 @pytest.mark.slow

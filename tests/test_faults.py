@@ -281,6 +281,28 @@ def test_other_signals_stop_value_pretraining_with_a_checkpoint_and_other_stages
             f"command and --resume") in capsys.readouterr().out
 
 
+def test_a_signal_in_the_step_value_pretraining_converges_at_stops_before_ppo(out_dir, base, monkeypatch, capsys):
+    """The plateau's break came before the loop asked for a signal: the run went on into PPO and ran a
+    whole step (at 32B, past SLURM's grace period) before it stopped."""
+    flags = ["--run-name", "vp-converged", "--value-pretrain-steps", "4", "--steps", "2", "--seed", "2"]
+    real_step = value_pretrain.pretrain_step
+
+    def interrupted(cfg, step, *args):
+        if step == 1:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return real_step(cfg, step, *args)
+
+    monkeypatch.setattr(value_pretrain, "pretrain_step", interrupted)
+    monkeypatch.setattr(value_pretrain, "plateaued", lambda history, *args: len(history) == 2)
+    monkeypatch.setattr(train, "ppo_step", lambda *args: pytest.fail("PPO ran after the signal"))
+    with pytest.raises(preemption.Preempted) as stopped:
+        train.main(micro_config(out_dir, *flags))
+    assert stopped.value.exit_code == 128 + signal.SIGUSR1
+    link = out_dir / "vp-converged" / "value_pretrain"
+    assert f"preempted as value pretraining converged: its critic is saved in {link}" in capsys.readouterr().out
+    assert [json.loads(row)["step"] for row in (link / "curve.jsonl").read_text().splitlines()] == [0, 1]
+
+
 def launch(cmd, log):
     """`cmd` in its own process group (as a job is), its output in `log`."""
     with open(log, "w") as f:
