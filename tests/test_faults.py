@@ -243,20 +243,25 @@ def test_sigint_saves_and_stops_a_moved_run_resumed_with_other_save_and_memory_s
     assert signal.getsignal(signal.SIGINT) is before  # handlers given back
 
 
+def signal_in_pretraining_step(at: int, monkeypatch) -> None:
+    """SLURM's warning (SIGUSR1) arrives while value pretraining's step `at` runs."""
+    real_step = value_pretrain.pretrain_step
+
+    def interrupted(cfg, step, *args):
+        if step == at:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return real_step(cfg, step, *args)
+
+    monkeypatch.setattr(value_pretrain, "pretrain_step", interrupted)
+
+
 def test_other_signals_stop_value_pretraining_with_a_checkpoint_and_other_stages_at_once(out_dir, base, monkeypatch,
                                                                                            capsys):
     """Where the issue is silent: SLURM's warning signal (SIGUSR1) in value pretraining saves its
     checkpoint as in PPO, and --resume goes on from it; SIGHUP while the data is read stops at once,
     saying what there is to resume from."""
     flags = ["--run-name", "vp-stopped", "--value-pretrain-steps", "2", "--steps", "0", "--seed", "1"]
-    real_step = value_pretrain.pretrain_step
-
-    def interrupted(cfg, step, *args):
-        if step == 0:
-            os.kill(os.getpid(), signal.SIGUSR1)
-        return real_step(cfg, step, *args)
-
-    monkeypatch.setattr(value_pretrain, "pretrain_step", interrupted)
+    signal_in_pretraining_step(0, monkeypatch)
     with pytest.raises(preemption.Preempted) as stopped:
         train.main(micro_config(out_dir, *flags))
     assert stopped.value.exit_code == 128 + signal.SIGUSR1
@@ -285,14 +290,7 @@ def test_a_signal_in_the_step_value_pretraining_converges_at_stops_before_ppo(ou
     """The plateau's break came before the loop asked for a signal: the run went on into PPO and ran a
     whole step (at 32B, past SLURM's grace period) before it stopped."""
     flags = ["--run-name", "vp-converged", "--value-pretrain-steps", "4", "--steps", "2", "--seed", "2"]
-    real_step = value_pretrain.pretrain_step
-
-    def interrupted(cfg, step, *args):
-        if step == 1:
-            os.kill(os.getpid(), signal.SIGUSR1)
-        return real_step(cfg, step, *args)
-
-    monkeypatch.setattr(value_pretrain, "pretrain_step", interrupted)
+    signal_in_pretraining_step(1, monkeypatch)
     monkeypatch.setattr(value_pretrain, "plateaued", lambda history, *args: len(history) == 2)
     monkeypatch.setattr(train, "ppo_step", lambda *args: pytest.fail("PPO ran after the signal"))
     with pytest.raises(preemption.Preempted) as stopped:
