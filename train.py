@@ -422,8 +422,9 @@ def print_summary(summary: dict, run_dir: str) -> None:
         ev = "undefined (all returns equal)" if ev is None or math.isnan(ev) else f"{ev:.3f}"
         print(f"value pretraining: final value loss {vp['value_loss']:.4f}, "
               f"explained variance {ev} after {vp['step'] + 1} steps")
-    print(f"\nwrote {run_dir}/: config.json, metrics.jsonl, TensorBoard events, checkpoint/, actor_hf/ (the final "
-          f"policy in Hugging Face format), eval_sft.json, summary.json")
+    saved = [name for name in ("checkpoint/", "actor_hf_steps/") if os.path.isdir(os.path.join(run_dir, name))]
+    print(f"\nwrote {run_dir}/: config.json, metrics.jsonl, TensorBoard events, {''.join(n + ', ' for n in saved)}"
+          f"actor_hf/ (the final policy in Hugging Face format), eval_sft.json, summary.json")
 
 
 if __name__ == "__main__":

@@ -167,6 +167,7 @@ def test_model_typo_with_the_default_run_name_leaves_nothing_behind(out_dir, sft
     error, stdout = train(out_dir, "--model", sft, *QUICK)  # the corrected command
     assert error is None, error
     assert (out_dir / "tiny__sft__seed0" / "config.json").exists()
+    assert "TensorBoard events, actor_hf/" in stdout  # --steps 0 saves no checkpoint/: the summary does not claim one
     # The expected fresh value head is said in one line, not in transformers' load report.
     captured = capfd.readouterr()
     assert "LOAD REPORT" not in captured.err + captured.out
