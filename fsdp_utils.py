@@ -9,6 +9,7 @@ the shards (Hugging Face checkpoints, DCP checkpoints, the stream to vLLM) are c
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import sys
@@ -131,21 +132,30 @@ def from_main(obj):
     return box[0]
 
 
-def reduce_metrics(metrics: dict, sums=(), maxes=()) -> dict:
+def reduce_metrics(metrics: dict, sums=(), maxes=(), tokens: dict | None = None) -> dict:
     """The whole step's metrics from each rank's share: keys in `sums` add up over ranks (counts,
-    throughput), keys in `maxes` take the largest, every other key is averaged. The average is exact
-    for means over rows (each rank holds as many rows, config.validate); token-weighted means
-    (advantage, values, explained variance) become the mean of the ranks' values. Every rank gets
-    the same numbers, so decisions taken on them (stop, raise) agree. Identity in one process."""
+    throughput), keys in `maxes` take the largest, keys in `tokens` are means over tokens[key] tokens
+    of this rank and become the mean over every rank's tokens (NaN when there are none), every other
+    key is averaged (exact for means over rows: each rank holds as many rows, config.validate). Every
+    rank gets the same numbers, so decisions taken on them (stop, raise) agree."""
+    tokens = tokens or {}
     if world_size() == 1:
-        return dict(metrics)
+        return {k: math.nan if k in tokens and not tokens[k] else v for k, v in metrics.items()}
+    weighted = {k: metrics[k] * n if n else 0.0 for k, n in tokens.items()}  # a NaN over no tokens weighs nothing
     keys = sorted(metrics)  # the same order on every rank
-    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
-    is_max = torch.tensor([k in maxes for k in keys])
+    values = torch.tensor([float(weighted.get(k, metrics[k])) for k in keys] + [float(tokens.get(k, 0)) for k in keys],
+                          dtype=torch.float64)
+    is_max = torch.tensor([k in maxes for k in keys] * 2)
     summed = all_reduce(torch.where(is_max, 0.0, values))
     largest = all_reduce(torch.where(is_max, values, -torch.inf), op=dist.ReduceOp.MAX)
-    return {k: (largest[i] if k in maxes else summed[i] if k in sums else summed[i] / world_size()).item()
-            for i, k in enumerate(keys)}
+    count = summed[len(keys):]
+
+    def reduced(i: int, k: str) -> float:
+        if k in tokens:
+            return (summed[i] / count[i]).item() if count[i] else math.nan
+        return (largest[i] if k in maxes else summed[i] if k in sums else summed[i] / world_size()).item()
+
+    return {k: reduced(i, k) for i, k in enumerate(keys)}
 
 
 def shard_model(

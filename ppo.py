@@ -24,7 +24,7 @@ is split (the critic-loss scaling bug of verl PR #6957).
 import torch
 import torch.utils.checkpoint
 
-from support.masked import check_masked_inputs, masked_mean, masked_sum, masked_var
+from support.masked import check_masked_inputs, masked_mean, masked_sum
 
 # exp(log-ratio) overflows float32 near 88; a ratio of e^20 is already meaningless, and the clamp
 # keeps A = 0 tokens from turning into 0 * inf = NaN.
@@ -144,16 +144,26 @@ def kl_penalty(log_probs, ref_log_probs, kind="k3"):
     return torch.exp(-log_r) - 1 + log_r
 
 
-def explained_variance(values, returns, mask):
+def explained_variance(values, returns, mask, total=lambda sums: sums):
     """1 - Var(R - V) / Var(R) over valid tokens (1 = perfect critic, 0 = no better than the
-    mean). NaN when the returns are constant (Var(R) at rounding level), where it is undefined."""
+    mean). NaN when the returns are constant (Var(R) at rounding level), where it is undefined.
+    `total`: a sum over the tokens of every rank (`fsdp_utils.all_reduce` under torchrun), so that
+    the statistic is the whole batch's; the identity in one process."""
     check_masked_inputs(mask, values=values, returns=returns)
     mask = mask.to(values.dtype)
-    var_r = masked_var(returns, mask, unbiased=False)
+    count = total(mask.sum()).clamp_min(1)
+
+    def mean(x):
+        return total(masked_sum(x, mask)) / count
+
+    def variance(x):  # not Bessel-corrected
+        return total(masked_sum((x - mean(x)) ** 2, mask)) / count
+
+    var_r = variance(returns)
     # A constant that is not a binary fraction (0.1) leaves a variance of order (eps * R)^2.
-    if var_r <= 100 * torch.finfo(var_r.dtype).eps ** 2 * masked_mean(returns**2, mask):
+    if var_r <= 100 * torch.finfo(var_r.dtype).eps ** 2 * mean(returns**2):
         return torch.tensor(float("nan"), dtype=values.dtype, device=values.device)
-    return 1 - masked_var(returns - values, mask, unbiased=False) / var_r
+    return 1 - variance(returns - values) / var_r
 
 
 # --- log-probs and entropy of the policy ---------------------------------------------------------

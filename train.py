@@ -169,15 +169,27 @@ def timed(timings: dict, name: str):
     timings[name] = time.perf_counter() - start
 
 
-def mean_by_position(x, mask, bins: int = POSITION_BINS) -> list[float]:
-    """Mean of `x` over tokens in each relative-position bin of their response (early -> late)."""
+def position_bins(mask, bins: int = POSITION_BINS) -> list:
+    """The mask of each relative-position bin of the responses' tokens (early -> late)."""
     lengths = mask.sum(-1, keepdim=True).clamp(min=1)
     position = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
     bin_of = (position * bins // lengths).clamp(max=bins - 1)
-    return [masked_mean(x, mask * (bin_of == b)).item() for b in range(bins)]
+    return [mask * (bin_of == b) for b in range(bins)]
 
 
-def critic_error_metrics(scored: ScoredBatch, values, advantages, gamma: float) -> dict:
+class TokenMeans(dict):
+    """Metrics that are means over tokens, with how many tokens each had on this rank: reduced over
+    ranks as a mean over every rank's tokens (fsdp_utils.reduce_metrics), NaN over none."""
+
+    def __init__(self):
+        super().__init__()
+        self.tokens = {}
+
+    def add(self, name: str, x, mask) -> None:
+        self[name], self.tokens[name] = masked_mean(x, mask).item(), mask.sum().item()
+
+
+def critic_error_metrics(scored: ScoredBatch, values, advantages, gamma: float, means: TokenMeans) -> None:
     """How far the critic is from this batch's Monte-Carlo return G_t, and what that does to the
     advantages (§3.1): the mean of V(s_t) - G_t over all response tokens and over each response's
     first quarter (at step 0, the critic's initial error), and the mean advantage (before whitening)
@@ -187,10 +199,10 @@ def critic_error_metrics(scored: ScoredBatch, values, advantages, gamma: float) 
     last = torch.zeros_like(mask)
     last[torch.arange(len(mask), device=mask.device), scored.batch.lengths - 1] = 1.0
     error = values - mc_return
-    return {"critic/value_error/all": masked_mean(error, mask).item(),
-            "critic/value_error/first_quarter": mean_by_position(error, mask)[0],
-            "advantage/last_token": masked_mean(advantages, last).item(),
-            "advantage/other_tokens": masked_mean(advantages, mask - last).item()}
+    means.add("critic/value_error/all", error, mask)
+    means.add("critic/value_error/first_quarter", error, position_bins(mask)[0])
+    means.add("advantage/last_token", advantages, last)
+    means.add("advantage/other_tokens", advantages, mask - last)
 
 
 def rollout_metrics(scored: ScoredBatch, per_token: dict, advantages, timings: dict, gamma: float) -> dict:
@@ -207,20 +219,24 @@ def rollout_metrics(scored: ScoredBatch, per_token: dict, advantages, timings: d
         "reward/accuracy": (scored.outcomes > 0).float().mean().item(),
         "reward/grader_timeouts": scored.grader_timeouts,
         "reward/missing_box": scored.missing_box,
-        "advantage/mean": masked_mean(advantages, mask).item(),
     }
+    means = TokenMeans()
+    means.add("advantage/mean", advantages, mask)
     if "old_values" in per_token:
         values = per_token["old_values"]
-        metrics |= {"critic/values_mean": masked_mean(values, mask).item(),
-                    "critic/vf_explained_var": explained_variance(values, per_token["returns"], mask).item(),
-                    "critic/returns/mean": masked_mean(per_token["returns"], mask).item()}
-        metrics |= critic_error_metrics(scored, values, advantages, gamma)
-    metrics |= {f"advantage/pos_bin{b}": v for b, v in enumerate(mean_by_position(advantages, mask))}
+        means.add("critic/values_mean", values, mask)
+        means.add("critic/returns/mean", per_token["returns"], mask)
+        # Over every rank's tokens: a rank whose returns were all equal (undefined there) must not make it NaN.
+        metrics["critic/vf_explained_var"] = explained_variance(values, per_token["returns"], mask,
+                                                                total=fsdp_utils.all_reduce).item()
+        critic_error_metrics(scored, values, advantages, gamma, means)
+    for b, in_bin in enumerate(position_bins(mask)):
+        means.add(f"advantage/pos_bin{b}", advantages, in_bin)
     metrics |= {f"timing_s/{k}": v for k, v in timings.items()}
     metrics["timing_s/step"] = sum(timings.values())
     metrics["perf/throughput"] = (batch.prompt_mask.sum() + mask.sum()).item() / metrics["timing_s/step"]  # per GPU
-    return fsdp_utils.reduce_metrics(metrics, maxes=("response_length/max",),
-                                     sums=("reward/grader_timeouts", "reward/missing_box"))
+    return fsdp_utils.reduce_metrics(metrics | means, maxes=("response_length/max",),
+                                     sums=("reward/grader_timeouts", "reward/missing_box"), tokens=means.tokens)
 
 
 def check_diverged(metrics: dict, models: dict) -> None:

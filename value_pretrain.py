@@ -25,7 +25,7 @@ from support import preemption
 from support.config import ConfigError
 from critic import critic_loss, response_values, shift_values
 from support.data import sample_prompts, stream_seed
-from fsdp_utils import is_main, reduce_metrics, world_size
+from fsdp_utils import all_reduce, is_main, reduce_metrics, world_size
 from support.checkpoints import export_hf_checkpoint, remove_checkpoint, restore_latest, save_checkpoint
 from gae import compute_gae
 from support.masked import check_masked_inputs
@@ -87,7 +87,7 @@ def pretrain_step(cfg, step: int, critic, critic_optimizer, sampler: Sampler, re
     assert_finite(critic.named_parameters(), "critic after the update")
     # Over all ranks (vf_loss already is), so that every rank takes the same stopping decision.
     return {"step": step, "value_loss": metrics["critic/vf_loss"]} | reduce_metrics({
-        "explained_variance": explained_variance(values, returns, mask).item(),
+        "explained_variance": explained_variance(values, returns, mask, total=all_reduce).item(),  # every rank's tokens
         "reward_mean": scored.outcomes.mean().item(),
         "response_length": batch.lengths.float().mean().item(),
     })

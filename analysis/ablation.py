@@ -118,15 +118,19 @@ def plan_runs(args: Args, train_flags: list[str]) -> list[Run]:
             # The variant's own flags come last, so flags for every run cannot undo what the variant tests.
             flags = ["--out-dir", args.out_dir, "--run-name", name, "--seed", str(seed), *train_flags,
                      *VARIANTS[variant][0]]
-            run = Run(variant, seed, flags, parse_config(flags))
-            saved = run.dir / "config.json"
-            if saved.is_file():
-                # Reused as finished: its length must match too, the rest of how it ran need not.
-                check_settings(str(run.dir), json.loads(saved.read_text()), dataclasses.asdict(run.config),
-                               ignore=[k for k in rundir.MAY_CHANGE if k != "steps"],
-                               remedy="remove it or choose another --out-dir")
-            runs.append(run)
+            runs.append(planned_run(variant, seed, flags))
     return runs
+
+
+def planned_run(variant: str, seed: int, flags: list[str]) -> Run:
+    """The Run of train.py's `flags`; a run directory already there must hold a run of those
+    settings: reused as finished, its length must match too (the rest of how it ran need not)."""
+    run = Run(variant, seed, flags, parse_config(flags))
+    saved = run.dir / "config.json"
+    if saved.is_file():
+        check_settings(str(run.dir), json.loads(saved.read_text()), dataclasses.asdict(run.config),
+                       ignore=[k for k in rundir.MAY_CHANGE if k != "steps"], remedy="remove it or choose another --out-dir")
+    return run
 
 
 def execute(run: Run, threads: int) -> tuple[Run, float, int]:
@@ -139,8 +143,10 @@ def execute(run: Run, threads: int) -> tuple[Run, float, int]:
         code = subprocess.call([sys.executable, str(TRAIN), *run.flags, *share, "--resume"],
                                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "TQDM_MININTERVAL": "30"})
     wall = time.time() - start
-    (run.dir / "ablation_run.json").write_text(json.dumps(
-        {"variant": run.variant, "seed": run.seed, "argv": run.flags, "wall_s": round(wall, 1), "returncode": code}))
+    record = run.dir / "ablation_run.json"
+    before = json.loads(record.read_text()).get("wall_s", 0.0) if record.is_file() else 0.0  # a resumed run's earlier part
+    record.write_text(json.dumps({"variant": run.variant, "seed": run.seed, "argv": run.flags,
+                                  "wall_s": round(before + wall, 1), "returncode": code}))
     return run, wall, code
 
 

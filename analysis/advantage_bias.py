@@ -427,7 +427,7 @@ def main(args: Args, train_argv: list[str] = ()) -> BiasResult:
     check_args(args)
     cfg = parse_config(list(train_argv))
     if args.critic is None:
-        rundir.check(cfg)  # the run's value-pretrained critic belongs to the settings in its config.json
+        rundir.check_settings_of(cfg)  # the run's value-pretrained critic belongs to the settings in its config.json
     for name, given in given_reward_models(args).items():
         if given is None:
             check_orm(reward_model_settings(cfg, name))  # train.py's cached ones were trained with these flags' settings

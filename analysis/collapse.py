@@ -54,7 +54,6 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from analysis import ablation, advantage_bias, run_cli
-from support.config import parse_config
 
 OFFSETS = (-3.0, -2.0, -1.0, 0.0, 1.0)  # the dose-response
 WINDOW = 5  # steps of the moving averages
@@ -126,7 +125,7 @@ def plan(args: Args, train_flags: list[str]) -> dict[str, list[ablation.Run]]:
         for seed in args.seeds:
             argv = ["--out-dir", args.out_dir, "--run-name", f"collapse__{kind}{tag}__seed{seed}", "--seed", str(seed),
                     "--steps", str(args.steps), *train_flags, *flags]
-            runs.setdefault(arm, []).append(ablation.Run(arm, seed, argv, parse_config(argv)))
+            runs.setdefault(arm, []).append(ablation.planned_run(arm, seed, argv))
     return runs
 
 

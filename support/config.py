@@ -319,6 +319,8 @@ class Config:
             "eval_samples": (self.eval_samples >= 1, ">= 1"),
             "eval_fraction": (0.0 < self.eval_fraction < 1.0, "in (0, 1)"),
             "save_every": (self.save_every >= 1, ">= 1"),
+            "truncation_reward": (self.truncation_reward is None or self.truncation_reward <= 0,
+                                  "<= 0, or unset: a cut response scored above 0 would count as solved"),
             "overwrite": (not (self.overwrite and self.resume), "unset with --resume"),
             "threads": (self.threads is None or self.threads >= 1, ">= 1, or unset"),
             "sft_steps": (self.sft_steps is None or self.sft_steps >= 1, ">= 1, or unset"),

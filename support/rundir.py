@@ -120,12 +120,9 @@ def _lock(path: str) -> tuple[int | None, str]:
         os.close(fd)
 
 
-def check(cfg: Config) -> str:
-    """The run's directory, read and not written: stops if its config.json holds other settings
-    (see MAY_CHANGE), if it holds outputs but no config.json to check them against, if it holds
-    checkpoints and neither --resume nor --overwrite says what to do with them, or, with
-    --resume, if its checkpoints are all damaged, if its metrics.jsonl is damaged, or if it would
-    start past --steps. A refused command leaves the directory as it was."""
+def check_settings_of(cfg: Config) -> str:
+    """The run's directory, if what it holds was made with these settings (its config.json, see
+    MAY_CHANGE); ConfigError if not, or if it holds outputs but no config.json to check them against."""
     run_dir = os.path.join(cfg.out_dir, cfg.run_name)
     saved = os.path.join(run_dir, "config.json")
     if os.path.exists(saved):
@@ -135,6 +132,16 @@ def check(cfg: Config) -> str:
         raise ConfigError(f"{run_dir} holds {', '.join(reused)} but no config.json, the settings "
                          f"{'they were' if len(reused) > 1 else 'it was'} made with; choose another --run-name or "
                          f"delete it")
+    return run_dir
+
+
+def check(cfg: Config) -> str:
+    """The run's directory, read and not written: stops if its config.json holds other settings
+    (see MAY_CHANGE), if it holds outputs but no config.json to check them against, if it holds
+    checkpoints and neither --resume nor --overwrite says what to do with them, or, with
+    --resume, if its checkpoints are all damaged, if its metrics.jsonl is damaged, or if it would
+    start past --steps. A refused command leaves the directory as it was."""
+    run_dir = check_settings_of(cfg)
     saved_before = checkpoints.saved_checkpoints(os.path.join(run_dir, "checkpoint"))
     if saved_before and not (cfg.resume or cfg.overwrite):
         raise ConfigError(f"{run_dir} holds {saved_before[0]}: --resume to continue from it, --overwrite to start "

@@ -26,6 +26,7 @@ def run_root(tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
     cfg = parse_config(["--out-dir", str(root), *FLAGS])
     rundir.prepare(cfg)  # the run's config.json
+    (root / RUN / "checkpoint").mkdir()  # a finished run's: analysis reads it, it does not resume it
     tokenizer = task.build_tokenizer()
     sft = root / "_shared" / "sft"
     task.make_tiny_model(tokenizer, num_layers=2, intermediate_size=256).save_pretrained(sft)

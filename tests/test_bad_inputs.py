@@ -149,7 +149,9 @@ runpy.run_path({str(ROOT / "support" / "sft.py")!r}, run_name="__main__")
 
 @pytest.mark.parametrize("flag, value, match", [
     ("--grader-timeout-s", "inf", r"--grader-timeout-s = inf \(must be finite and > 0\)"),
-    ("--truncation-reward", "nan", r"--truncation-reward = nan \(must be finite\)"),
+    ("--truncation-reward", "nan", r"--truncation-reward = nan \(must be finite and <= 0, or unset"),
+    # held-out scores count an outcome > 0 as solved: a cut response would be
+    ("--truncation-reward", "0.5", r"--truncation-reward = 0.5 \(must be <= 0, or unset: a cut response scored above 0"),
     ("--lam-actor", "1.5", r"--lam-actor = 1.5 \(must be in \[0, 1\]\)"),
     # pi_SFT of the short task never saw k = 49 (task.SHAPES)
     ("--task-difficulty", "40 49", r"--task-difficulty = \(40, 49\) \(must be two k with 1 <= min <= max <= 48"),

@@ -55,6 +55,11 @@ def test_the_arms_carry_their_offset_in_flags_and_run_name_and_dose_adds_the_oth
     assert runs["ppo-offset+1"][0].config.critic_init_offset == 1.0
     with pytest.raises(ValueError, match="unknown arm"):
         collapse.plan(dataclasses.replace(args, arms=("ppo2",)), [])
+    # A finished run of another length is not averaged with the others (it was, in silence).
+    fake_run(runs["ppo"][0], [100.0] * 7, [0.5] * 7, None, 0.5)
+    with pytest.raises(config.ConfigError, match=r"collapse__ppo__offset-3__seed0 was made with other settings "
+                                                 r"\(--steps 7 -> 30\)"):
+        collapse.plan(args, [])
 
 
 def fake_run(run: "collapse.ablation.Run", lengths: list[float], accuracy: list[float], error: float | None,

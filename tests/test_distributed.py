@@ -5,6 +5,7 @@ test checks one property of them. Single-process behaviour of the same helpers i
 """
 
 import copy
+import math
 import os
 import re
 
@@ -55,6 +56,10 @@ def test_whitening_and_metrics_cover_every_ranks_rows(fsdp_run):
     r = fsdp_run["stats"]
     assert r["whiten_max_diff"] <= 1e-5  # global mean and std, not each rank's own
     assert r["reduced"] == {"mean": 0.5, "count": 2.0, "max": 10.0}
+    # Token means weigh each rank by its tokens (the mean of the ranks' means gave 0.5); none: undefined.
+    assert r["token_means"]["advantage"] == 0.25 and r["token_means"]["late"] == 2.0
+    assert math.isnan(r["token_means"]["none"])
+    assert r["explained_variance"] == pytest.approx(0.75)  # the mean of the ranks' values was NaN
 
 
 @pytest.mark.slow

@@ -564,7 +564,10 @@ def test_critic_error_metrics_against_a_direct_computation():
                          logprobs=torch.zeros(3, 4), finish_reasons=["stop"] * 3)
     scored = ScoredBatch(batch, [""] * 3, torch.tensor(outcomes), rewards, 0, 0, {})
     advantages = torch.tensor([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 0.0, 0.0], [7.0, 8.0, 9.0, 0.0]]) * mask
-    m = train.critic_error_metrics(scored, values, advantages, gamma=0.5)
+    m = train.TokenMeans()
+    train.critic_error_metrics(scored, values, advantages, 0.5, m)
+    assert m.tokens == {"critic/value_error/all": 9, "critic/value_error/first_quarter": 3,
+                        "advantage/last_token": 3, "advantage/other_tokens": 6}  # their weights over ranks
     # G_t = gamma^(L-1-t) r; tokens of the first quarter: t * 4 // L == 0, i.e. t = 0 in every row here.
     errors = [(values[b, t].item() - 0.5 ** (n - 1 - t) * r, t * 4 // n == 0)
               for b, (n, r) in enumerate(zip(lengths, outcomes)) for t in range(n)]

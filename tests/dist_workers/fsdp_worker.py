@@ -32,6 +32,7 @@ from critic import load_value_model
 from fsdp_utils import all_reduce, close_distributed, exit_now_if_gloo, init_distributed, is_main, reduce_metrics, shard_model
 import support.checkpoints
 from support.checkpoints import CheckpointError, export_hf_checkpoint, iter_full_weights, load_checkpoint, load_pretrained, save_checkpoint
+from ppo import explained_variance
 from ppo_update import masked_whiten
 from rollout import HFRollout
 import train
@@ -188,6 +189,13 @@ result["stats"] = {
     "whiten_max_diff": (masked_whiten(x[mine], mask[mine]) - whole_batch[mine]).abs().max().item(),
     "reduced": reduce_metrics({"mean": float(info.rank), "count": 1.0, "max": 10.0 * info.rank},
                               sums=("count",), maxes=("max",)),
+    # Means over tokens: rank 0 has 1 token of advantage 1, rank 1 three of 0; "late" has tokens on rank 1 only.
+    "token_means": reduce_metrics({"advantage": 1.0 - info.rank, "late": 2.0 * info.rank, "none": 0.0},
+                                  tokens={"advantage": 1 + 2 * info.rank, "late": 2 * info.rank, "none": 0}),
+    # Rank 0's returns are all equal (undefined there alone); over both ranks' 8 tokens it is 0.75.
+    "explained_variance": explained_variance(torch.tensor([[-0.5] * 4, [0.5, 0.5, -0.5, -0.5]])[[info.rank]],
+                                             torch.tensor([[-1.0] * 4, [1.0, 1.0, -1.0, -1.0]])[[info.rank]],
+                                             torch.ones(1, 4), total=all_reduce).item(),
 }
 
 # 5. HF sampling under torchrun: the same seed and prompts give each rank its own draws.
