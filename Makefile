@@ -21,8 +21,9 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	$(BIN)/pip install --quiet --no-deps -e .
 	touch $@
 
+# --resume: a stopped demo goes on from its checkpoint, and a finished one prints its table again.
 demo: venv
-	$(BIN)/python train.py
+	$(BIN)/python train.py --resume
 
 test: venv
 	$(BIN)/python -m pytest -q
