@@ -351,6 +351,12 @@ def prepare_data(cfg, tokenizer) -> tuple[list[dict], list[dict]]:
         for split, n, seed in (("train", cfg.task_train_size, 1), ("eval", cfg.task_eval_size, 2)):
             problems = task.make_problems(n, seed, *task_difficulty(cfg), width)
             records[split] = [{**p, "prompt_ids": encode_prompt(tokenizer, p["prompt"])} for p in problems]
+        # Both sets are drawn from one pool: said, not hidden (a narrow --task-difficulty shrinks the pool).
+        training = {r["prompt"] for r in records["train"]}
+        if seen := sum(r["prompt"] in training for r in records["eval"]):
+            lo, hi = task_difficulty(cfg)
+            print(f"note: {seen} of the {len(records['eval'])} held-out problems are also RL training problems "
+                  f"(both drawn from the {(hi - lo + 1) * 9 * 10 ** (width - 1):,} problems of k in [{lo}, {hi}])")
         return records["train"], records["eval"]
     records = _load(cfg, cfg.data, tokenizer, cfg.prompt_key, cfg.answer_key, cfg.answer_format)
     if cfg.val_data:  # held-out sets of their own: the training data is not split
