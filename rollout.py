@@ -14,7 +14,9 @@ its tensors on `batch.device`:
 - `VLLMRollout`: vLLM colocated with training on the same ranks (torchrun), weights synced from
   the (FSDP-sharded) actor after each update, sleeping while the trainer needs the GPU memory.
 The sampling log-probs are log-softmax(logits / temperature) of the unmodified model (top-p only
-truncates what is sampled), the same quantity `ppo.response_logprobs` recomputes for training.
+truncates what is sampled), the same quantity `ppo.response_logprobs` recomputes for training;
+vLLM's, with top_p < 1, are renormalised over the nucleus instead. PPO reads neither: it
+recomputes pi_old with the trained actor (train.old_outputs).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ class RolloutBatch:
     prompt_mask: torch.Tensor  # [B, P] long, 1 on prompt tokens
     response_ids: torch.Tensor  # [B, T] long, right-padded
     response_mask: torch.Tensor  # [B, T] float32, 1 on generated tokens (EOS included)
-    logprobs: torch.Tensor  # [B, T] float32, sampling log-probs, 0 on padding
+    logprobs: torch.Tensor  # [B, T] float32, sampling log-probs (module docstring), 0 on padding
     finish_reasons: list[str]  # "stop" (ended with EOS) or "length" (hit max_new_tokens)
 
     @property

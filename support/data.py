@@ -351,6 +351,10 @@ def prepare_data(cfg, tokenizer) -> tuple[list[dict], list[dict]]:
         for split, n, seed in (("train", cfg.task_train_size, 1), ("eval", cfg.task_eval_size, 2)):
             problems = task.make_problems(n, seed, *task_difficulty(cfg), width)
             records[split] = [{**p, "prompt_ids": encode_prompt(tokenizer, p["prompt"])} for p in problems]
+            longest = max((len(r["prompt_ids"]) for r in records[split]), default=0)
+            if longest > cfg.max_prompt_tokens:  # none may be dropped: the task's sets are fixed by their seeds
+                raise DataError(f"the built-in task's prompts take up to {longest} tokens, over --max-prompt-tokens "
+                                f"{cfg.max_prompt_tokens}")
         # Both sets are drawn from one pool: said, not hidden (a narrow --task-difficulty shrinks the pool).
         training = {r["prompt"] for r in records["train"]}
         if seen := sum(r["prompt"] in training for r in records["eval"]):

@@ -440,3 +440,14 @@ def test_held_out_problems_of_the_built_in_task_that_are_also_training_problems_
     assert seen > 10
     assert (f"note: {seen} of the 64 held-out problems are also RL training problems (both drawn from the 27,000 "
             f"problems of k in [46, 48])") in capsys.readouterr().out
+
+
+def test_a_prompt_limit_below_the_built_in_tasks_prompts_is_refused():
+    """It was ignored: hf sampled them anyway, and vLLM, sized by it, stopped at the first rollout
+    with a traceback."""
+    from support.config import parse_config
+    from support.data import prepare_data
+    from support import task
+
+    with pytest.raises(DataError, match=r"the built-in task's prompts take up to 10 tokens, over --max-prompt-tokens 6"):
+        prepare_data(parse_config(["--max-prompt-tokens", "6"]), task.build_tokenizer())
