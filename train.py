@@ -2,7 +2,7 @@
 
     python train.py                                   # the built-in task, on a laptop CPU
     python train.py --critic-init rm --value-pretrain-steps 0 --lam-critic 0.95   # plain PPO
-    torchrun --nproc_per_node 8 train.py --preset qwen2.5-32b --model PATH --data PATH
+    torchrun --nproc_per_node 8 train.py --preset qwen2.5-7b --model PATH --data PATH
     torchrun --nnodes 2 --nproc_per_node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
         train.py --preset qwen2.5-32b --model PATH --data PATH
 
