@@ -34,8 +34,8 @@ import json
 import math
 import os
 import re
-from decimal import Decimal
 from dataclasses import dataclass
+from decimal import Decimal
 from pathlib import Path
 from typing import Iterator, Literal
 
@@ -345,23 +345,7 @@ def prepare_data(cfg, tokenizer) -> tuple[list[dict], list[dict]]:
     `--data`), or the built-in task (`task.py`), whose problems depend only on fixed seeds so that
     every run sees the same data."""
     if cfg.data is None:
-        from support import task
-
-        records, width = {}, task.SHAPES[cfg.task_length].width
-        for split, n, seed in (("train", cfg.task_train_size, 1), ("eval", cfg.task_eval_size, 2)):
-            problems = task.make_problems(n, seed, *task_difficulty(cfg), width)
-            records[split] = [{**p, "prompt_ids": encode_prompt(tokenizer, p["prompt"])} for p in problems]
-            longest = max((len(r["prompt_ids"]) for r in records[split]), default=0)
-            if longest > cfg.max_prompt_tokens:  # none may be dropped: the task's sets are fixed by their seeds
-                raise DataError(f"the built-in task's prompts take up to {longest} tokens, over --max-prompt-tokens "
-                                f"{cfg.max_prompt_tokens}")
-        # Both sets are drawn from one pool: said, not hidden (a narrow --task-difficulty shrinks the pool).
-        training = {r["prompt"] for r in records["train"]}
-        if seen := sum(r["prompt"] in training for r in records["eval"]):
-            lo, hi = task_difficulty(cfg)
-            print(f"note: {seen} of the {len(records['eval'])} held-out problems are also RL training problems "
-                  f"(both drawn from the {(hi - lo + 1) * 9 * 10 ** (width - 1):,} problems of k in [{lo}, {hi}])")
-        return records["train"], records["eval"]
+        return _built_in_task(cfg, tokenizer)
     records = _load(cfg, cfg.data, tokenizer, cfg.prompt_key, cfg.answer_key, cfg.answer_format)
     if cfg.val_data:  # held-out sets of their own: the training data is not split
         # Their gold answers' format is detected, not --answer-format's: MATH-500 beside GSM8K training.
@@ -372,6 +356,26 @@ def prepare_data(cfg, tokenizer) -> tuple[list[dict], list[dict]]:
         raise DataError(f"--data {cfg.data}: {len(records)} records leave {len(train)} for training and "
                         f"{len(held_out)} held out at --eval-fraction {cfg.eval_fraction}; both need at least one")
     return train, held_out
+
+
+def _built_in_task(cfg, tokenizer) -> tuple[list[dict], list[dict]]:
+    """(train, held-out) records of the built-in task (`task.py`), drawn with fixed seeds."""
+    from support import task
+
+    records, width, (lo, hi) = {}, task.SHAPES[cfg.task_length].width, task_difficulty(cfg)
+    for split, n, seed in (("train", cfg.task_train_size, 1), ("eval", cfg.task_eval_size, 2)):
+        problems = task.make_problems(n, seed, lo, hi, width)
+        records[split] = [{**p, "prompt_ids": encode_prompt(tokenizer, p["prompt"])} for p in problems]
+        longest = max((len(r["prompt_ids"]) for r in records[split]), default=0)
+        if longest > cfg.max_prompt_tokens:  # none may be dropped: the task's sets are fixed by their seeds
+            raise DataError(f"the built-in task's prompts take up to {longest} tokens, over --max-prompt-tokens "
+                            f"{cfg.max_prompt_tokens}")
+    # Both sets are drawn from one pool: said, not hidden (a narrow --task-difficulty shrinks the pool).
+    training = {r["prompt"] for r in records["train"]}
+    if seen := sum(r["prompt"] in training for r in records["eval"]):
+        print(f"note: {seen} of the {len(records['eval'])} held-out problems are also RL training problems "
+              f"(both drawn from the {(hi - lo + 1) * 9 * 10 ** (width - 1):,} problems of k in [{lo}, {hi}])")
+    return records["train"], records["eval"]
 
 
 def _sets_apart(sets: list[list[dict]], specs: tuple[str, ...]) -> list[dict]:
