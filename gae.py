@@ -109,9 +109,12 @@ def decoupled_gae(rewards, values, mask, gamma=1.0, lam_actor=0.95, lam_critic=1
     # One scratch buffer holds the critic's scan input, then the actor's: at long-CoT sizes a
     # fresh [B, T] buffer cost about as much as the arithmetic on the CPU. Each input
     # is rebuilt from r * mask, so neither result depends, even in rounding, on the other lambda.
+    # Under autograd the critic's input is part of its graph, so the actor's gets a buffer of its own.
     scratch = rewards * mask
     ret = gae_fast.lambda_return(scratch, values, mask, gamma, lam_critic)
-    adv = gae_fast.lambda_return(torch.mul(rewards, mask, out=scratch), values, mask, gamma, lam_actor)
+    tracked = torch.is_grad_enabled() and (rewards.requires_grad or values.requires_grad)
+    actor_input = rewards * mask if tracked else torch.mul(rewards, mask, out=scratch)
+    adv = gae_fast.lambda_return(actor_input, values, mask, gamma, lam_actor)
     return adv.addcmul_(values, mask, value=-1), ret  # A = R(lam_actor) - V(s_t), in place
 
 

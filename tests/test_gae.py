@@ -257,6 +257,20 @@ def test_gae_is_differentiable_in_values_even_after_an_inference_mode_call():
     assert torch.autograd.gradcheck(lambda v: decoupled_gae(rewards, v, mask, 0.9, 0.8, 1.0), (values,))
 
 
+@pytest.mark.parametrize("lam_critic", [0.95, torch.tensor([1.0, 0.9, 0.5], dtype=torch.float64)])
+def test_decoupled_gae_is_differentiable_when_the_critics_lambda_bootstraps(lam_critic):
+    """lam_critic < 1 (plain PPO's 0.95, or per-response lambdas) adds V(s_{t+1}) to the critic's
+    scan input: autograd then tracks that buffer, and the actor's scan must not write over it."""
+    rewards, values, mask = make_batch(3, 40, seed=13, dtype=torch.float64, garbage_padding=False)
+    values = values.clone().requires_grad_(True)
+    for output in (0, 1):  # advantages, then returns
+        assert torch.autograd.gradcheck(lambda v: decoupled_gae(rewards, v, mask, 0.9, 0.8, lam_critic)[output], (values,))
+    got = decoupled_gae(rewards, values, mask, 0.9, 0.8, lam_critic)  # and Eq. 5-7's numbers
+    expected = [gae_reference(rewards, values.detach(), mask, 0.9, lam) for lam in (0.8, lam_critic)]
+    torch.testing.assert_close(got[0].detach(), expected[0][0])
+    torch.testing.assert_close(got[1].detach(), expected[1][1])
+
+
 def test_cpu_inputs_take_the_compiled_loop_and_others_the_scan(fast_path):
     rewards, values, mask = _good()
     if fast_path == "scan":
