@@ -8,7 +8,9 @@ lambda = 1.0 (the Monte-Carlo return: with one terminal reward every token's tar
 Convergence (documented criterion): every step logs value loss and explained variance; pretraining
 stops at `value_pretrain_steps`, or earlier once both plateau: over two consecutive windows of
 `plateau_window` steps, the mean value loss falls by less than `plateau_rel_tol` (relative) and the
-mean explained variance rises by less than `plateau_ev_tol` (absolute).
+mean explained variance rises by less than `plateau_ev_tol` (absolute). A step whose returns are all
+equal (every response right, or every one wrong) has no explained variance (NaN): the means skip
+it, and a window with none at all is judged on the value loss alone.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import os
 
 import torch
@@ -62,12 +65,14 @@ def plateaued(history: list[dict], window: int, rel_tol: float, ev_tol: float) -
         return False
     prev, last = history[-2 * window : -window], history[-window:]
 
-    def mean(rows, key):
-        return sum(r[key] for r in rows) / len(rows)
+    def mean(rows, key):  # over the steps where it is defined (module docstring); NaN where none is
+        values = [r[key] for r in rows if math.isfinite(r[key])]
+        return sum(values) / len(values) if values else math.nan
 
     loss_prev, loss_last = mean(prev, "value_loss"), mean(last, "value_loss")
     ev_prev, ev_last = mean(prev, "explained_variance"), mean(last, "explained_variance")
-    return loss_prev - loss_last < rel_tol * loss_prev and ev_last - ev_prev < ev_tol
+    ev_flat = math.isnan(ev_prev) or math.isnan(ev_last) or ev_last - ev_prev < ev_tol
+    return loss_prev - loss_last < rel_tol * loss_prev and ev_flat
 
 
 def pretrain_step(cfg, step: int, critic, critic_optimizer, sampler: Sampler, records: list[dict]) -> dict:

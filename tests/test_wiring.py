@@ -355,6 +355,9 @@ def test_value_pretraining_regresses_unclipped_on_discounted_monte_carlo_returns
     assert loss.item() == pytest.approx((0.5 * (moved - returns)[valid] ** 2).sum().item() / tokens, rel=1e-5)
 
 
+NAN = float("nan")
+
+
 def history(losses, evs):
     return [{"value_loss": loss, "explained_variance": ev} for loss, ev in zip(losses, evs)]
 
@@ -366,6 +369,10 @@ def history(losses, evs):
     ([1.0] * 3 + [0.9] * 3, [0.5] * 6, False),  # loss still falls by 10% (> 2%)
     ([1.0] * 6, [0.5] * 3 + [0.6] * 3, False),  # EV still rises by 0.1 (> 0.01)
     ([5.0] * 3 + [1.0] * 3 + [0.99] * 3, [0.0] * 3 + [0.5] * 6, True),  # only the last two windows count
+    ([1.0] * 6, [0.5] * 5 + [NAN], True),  # a batch of equal returns has no EV: the others decide
+    ([1.0] * 6, [0.5] * 3 + [NAN] * 3, True),  # a window without any: the loss alone decides
+    ([1.0] * 3 + [0.9] * 3, [0.5] * 3 + [NAN] * 3, False),  # ... and it still falls
+    ([1.0] * 6, [0.5] * 4 + [0.7, NAN], False),  # the defined EVs still rise
 ])
 def test_plateaued_needs_both_loss_and_explained_variance_flat_over_two_windows(losses, evs, expected):
     """value_pretrain's documented stop: over two consecutive windows the mean loss falls by less
