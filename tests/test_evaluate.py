@@ -1,11 +1,13 @@
-"""evaluate.py: the unbiased pass@k estimator."""
+"""evaluate.py: the unbiased pass@k estimator, and evaluate() over a sampler's graded samples."""
 
 import itertools
 import math
+from types import SimpleNamespace
 
 import pytest
+import torch
 
-from evaluate import pass_at_k
+from evaluate import evaluate, pass_at_k
 
 
 def test_pass_at_k_matches_brute_force_over_subsets():
@@ -59,3 +61,31 @@ def test_held_out_sampling_takes_its_own_temperature_and_length_where_set():
     evaluator = eval_sampler(Sampler(own, engine=None, tokenizer=None, grader=None))
     assert (evaluator.cfg.temperature, evaluator.cfg.max_new_tokens) == (0.6, 80)
     assert own.temperature == 0.9 and own.max_new_tokens == 50  # training's own settings are left as they were
+
+
+class GradedSampler:
+    """A sampler whose verdicts are fixed per prompt: the i-th sample of record r is right when
+    verdicts[r][i] > 0 (evaluate() only reads outcomes, lengths and truncation)."""
+
+    def __init__(self, verdicts, samples):
+        self.verdicts = verdicts
+        self.cfg = SimpleNamespace(eval_samples=samples, prompts_per_step=len(verdicts), samples_per_prompt=samples, seed=0)
+
+    def sample_and_score(self, records, seed):
+        seen, outcomes = {}, []
+        for record in records:
+            r = record["prompt_ids"][0]
+            outcomes.append(self.verdicts[r][seen.get(r, 0)])
+            seen[r] = seen.get(r, 0) + 1
+        lengths = torch.tensor([10 * (1 + r["prompt_ids"][0]) for r in records])
+        batch = SimpleNamespace(lengths=lengths, truncated=[False] * len(records))
+        return SimpleNamespace(batch=batch, outcomes=torch.tensor(outcomes), texts=[""] * len(records))
+
+
+def test_evaluate_counts_a_positive_outcome_as_a_correct_sample():
+    """Record 0 right in 2 of 2 samples, record 1 in 1 of 2 (its second), record 2 in 2 of 2: pass@1
+    = 5/6, pass@2 = 1 (a pattern whose inverse gives other numbers: 1/6 and 1/3)."""
+    records = [{"prompt": str(r), "prompt_ids": [r], "answer": str(r)} for r in range(3)]
+    result = evaluate(GradedSampler({0: [1.0, 1.0], 1: [-1.0, 1.0], 2: [1.0, 1.0]}, samples=2), records, "test")
+    assert result["pass@1"] == pytest.approx(5 / 6) and result["pass@2"] == pytest.approx(1.0)
+    assert result["mean_length"] == pytest.approx(20.0)  # 10, 20, 30 tokens, two samples each

@@ -66,7 +66,9 @@ def test_same_seed_gives_the_same_rollout_and_leaves_global_rng_alone(policy):
     state = torch.get_rng_state()
     a = engine.generate(prompts(tokenizer), max_new_tokens=16, seed=7)
     b = engine.generate(prompts(tokenizer), max_new_tokens=16, seed=7)
+    c = engine.generate(prompts(tokenizer), max_new_tokens=16, seed=8)
     assert torch.equal(a.response_ids, b.response_ids)
+    assert not torch.equal(a.response_ids[:, :5], c.response_ids[:, :5])  # and the seed is what decides
     assert torch.equal(torch.get_rng_state(), state)
 
 
