@@ -70,8 +70,9 @@ def check_gpu_options(mixed_precision: bool, cpu_offload: bool) -> None:
         return
     for flag, on in (("--mixed-precision", mixed_precision), ("--cpu-offload", cpu_offload)):
         if on:
-            raise ValueError(f"{flag} needs a GPU (an FSDP2 option on CUDA); this machine has none: "
-                             f"drop the flag (the CPU trains in fp32 with the parameters in memory)")
+            raise ValueError(f"{flag} needs a GPU (an FSDP2 option on CUDA); this machine has none: pass "
+                             f"--no-{flag[2:]} (the qwen2.5 presets set it; the CPU trains in fp32 with the "
+                             f"parameters in memory)")
 
 
 def distributed() -> bool:

@@ -350,6 +350,8 @@ def run(cfg: Config, dist_info) -> dict:
     # Every input is checked (run directory, caches, model, data) before the run directory is
     # written: a refused command leaves it as it was, and its corrected rerun is not blocked.
     rundir.check(cfg)
+    for note in cfg.unused_flags() if fsdp_utils.is_main() else ():
+        print(f"note: {note}")
     if cfg.estimator == "gae" and cfg.critic_init == "rm":
         check_orm(cfg)
     # The stages before PPO, each cached (rundir.build_once): pi_SFT, the ORM, value pretraining.

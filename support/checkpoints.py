@@ -304,7 +304,7 @@ def _newest(path: str, read, set_aside: bool = False) -> tuple[str, object] | No
         return candidate, result
     if damaged:
         raise CheckpointError(f"{'; '.join(reason for _, reason in damaged)}; no earlier checkpoint to fall back "
-                              f"to (run without --resume to start again from step 0)")
+                              f"to (run with --overwrite instead of --resume to start again from step 0)")
     return None
 
 

@@ -230,6 +230,28 @@ class Config:
     compile_layers: bool = False
     """torch.compile each decoder layer of actor and critic (meant for GPUs; a CPU needs a C++ compiler)"""
 
+    def unused_flags(self) -> list[str]:
+        """Notes on flags set to other values than the preset's that another flag makes meaningless
+        (GRPO's missing critic, --data's missing built-in task, ...): said at start, not refused,
+        since analysis grids pass one set of flags to every arm and the tests one set to every run."""
+        preset = PRESETS[self.preset]
+        flag = lambda f: f"--{f.replace('_', '-')} {getattr(self, f)}"  # noqa: E731
+        set_here = lambda fields: [flag(f) for f in fields if getattr(self, f) != getattr(preset, f)]  # noqa: E731
+        groups = [
+            (self.estimator == "grpo", "--estimator grpo trains no critic", set_here(CRITIC_FLAGS)),
+            (self.data is not None, "--data replaces the built-in task",
+             set_here(("task_length", "task_train_size", "task_eval_size"))),
+            (self.data is None, "without --data the run trains on the built-in task",
+             set_here(("prompt_key", "answer_key", "answer_format", "skip_bad_records", "eval_fraction"))),
+            (self.model is not None, "--model is pi_SFT", set_here(("sft_steps",))),
+            (self.estimator == "gae" and self.length_adaptive_alpha is not None,
+             "--length-adaptive-alpha sets lambda_actor per response", set_here(("lam_actor",))),
+            (self.rollout != "vllm", f"--rollout {self.rollout} runs no vLLM",
+             set_here(("tensor_parallel_size", "gpu_memory_utilization"))),
+        ]
+        return [f"{why}: {', '.join(flags)} change{'s' if len(flags) == 1 else ''} nothing"
+                for applies, why, flags in groups if applies and flags]
+
     def _task_difficulty_check(self) -> tuple[bool, str]:
         """(valid, what valid is) for --task-difficulty: a range within what pi_SFT was trained on."""
         if self.task_difficulty is None:
@@ -309,7 +331,8 @@ class Config:
             "task_eval_size": (self.task_eval_size >= 1, ">= 1"),
             "tensor_parallel_size": (self.tensor_parallel_size >= 1 and world_size % self.tensor_parallel_size == 0,
                                      f">= 1 and divide the world size, {world_size}; run under torchrun"),
-            "gpu_memory_utilization": (0.0 < self.gpu_memory_utilization <= 1.0, "in (0, 1]"),
+            "gpu_memory_utilization": (0.0 < self.gpu_memory_utilization < 1.0,
+                                       "in (0, 1): the trainer's shards stay on the GPU beside vLLM"),
             "orm_batches": (self.orm_batches >= 1, ">= 1"),
             "orm_steps": (self.orm_steps >= 1, ">= 1"),
             "plateau_window": (self.plateau_window >= 1, ">= 1"),
@@ -340,6 +363,11 @@ class Config:
         if bad:
             raise ConfigError("invalid config: " + "; ".join(bad))
 
+
+# What only the critic reads: its start, value pretraining and its stop, GAE's parameters, its update, the ORM.
+CRITIC_FLAGS = ("critic_init", "value_pretrain_steps", "lam_actor", "lam_critic", "length_adaptive_alpha", "gamma",
+                "critic_lr", "value_clip", "orm_batches", "orm_steps", "orm_lr", "orm_loss", "plateau_window",
+                "plateau_rel_tol", "plateau_ev_tol")
 
 PRESETS = {
     "tiny": Config(),

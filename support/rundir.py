@@ -377,7 +377,7 @@ def logged_rows(path: str) -> tuple[list[tuple[int, str]], str | None]:
             if number == len(lines) and not line.endswith(b"\n") and line.isascii() and line.startswith(b"{"):
                 return rows, line.decode()  # how a row cut short looks: JSON rows are written in ASCII
             raise ConfigError(f"{path}:{number}: not a metrics row ({type(err).__name__}: {str(err)[:100]}); "
-                              f"repair or delete that line to resume, or run without --resume to start "
-                              f"again from step 0") from None
+                              f"repair or delete that line to resume, or run with --overwrite instead of "
+                              f"--resume to start again from step 0") from None
         rows.append((step, text if text.endswith("\n") else text + "\n"))
     return rows, None

@@ -88,7 +88,7 @@ def test_a_damaged_checkpoint_falls_back_to_the_one_before_and_with_none_left_is
     damage(run_dir / "checkpoint", what)  # the new one, and the one before it
     damage(run_dir / "checkpoint.old", what)
     metrics = (run_dir / "metrics.jsonl").read_bytes()
-    with pytest.raises(checkpoints.CheckpointError, match="no earlier checkpoint to fall back to"):
+    with pytest.raises(checkpoints.CheckpointError, match=r"no earlier checkpoint to fall back to \(run with --overwrite instead of --resume"):
         resume(moved, "--steps", "4")
     assert (run_dir / "metrics.jsonl").read_bytes() == metrics
 
@@ -100,7 +100,7 @@ def test_damaged_metrics_are_refused_by_line_and_only_a_torn_last_line_is_droppe
     rows = metrics.read_bytes().splitlines(keepends=True)
     for bad in (b'{"step": 1, "reward\n', b"\x00\xff\xfe binary\n"):
         metrics.write_bytes(rows[0] + bad + b"".join(rows[2:]))
-        with pytest.raises(ConfigError, match=r"metrics.jsonl:2: not a metrics row .*repair or delete that line"):
+        with pytest.raises(ConfigError, match=r"metrics.jsonl:2: not a metrics row .*repair or delete that line to resume, or run with --overwrite instead of --resume"):
             resume(moved, "--steps", "5")
         assert metrics.read_bytes() == rows[0] + bad + b"".join(rows[2:])  # refused before anything was written
     metrics.write_bytes(b"\x00\xff\xfe")  # a binary file is no row cut short either

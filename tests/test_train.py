@@ -522,6 +522,27 @@ def test_grpo_needs_two_samples_per_prompt():
         config.parse_config(["--estimator", "grpo", "--samples-per-prompt", "1"])
 
 
+def test_flags_that_another_flag_makes_meaningless_are_named(tmp_path):
+    """Not refused (analysis grids pass one set of flags to every arm), but never silent: each
+    group is one note, naming only the flags set to other values than the preset's."""
+    notes = lambda *argv: config.parse_config(["--preset", "tiny", *argv]).unused_flags()  # noqa: E731
+    assert notes("--estimator", "grpo", "--critic-init", "rm", "--lam-critic", "0.95", "--value-pretrain-steps", "5") == [
+        "--estimator grpo trains no critic: --critic-init rm, --value-pretrain-steps 5, --lam-critic 0.95 change nothing"]
+    assert notes("--estimator", "grpo") == [] and notes("--critic-init", "rm", "--lam-critic", "0.95") == []
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    assert notes("--model", "m", "--data", str(data), "--task-eval-size", "4", "--sft-steps", "3", "--eval-fraction", "0.2") == [
+        "--data replaces the built-in task: --task-eval-size 4 changes nothing", "--model is pi_SFT: --sft-steps 3 changes nothing"]
+    assert notes("--prompt-key", "question", "--eval-fraction", "0.2") == [
+        "without --data the run trains on the built-in task: --prompt-key question, --eval-fraction 0.2 change nothing"]
+    assert notes("--length-adaptive-alpha", "0.05", "--lam-actor", "0.5") == [
+        "--length-adaptive-alpha sets lambda_actor per response: --lam-actor 0.5 changes nothing"]
+    assert notes("--gpu-memory-utilization", "0.8") == ["--rollout hf-fast runs no vLLM: --gpu-memory-utilization 0.8 changes nothing"]
+    assert notes("--rollout", "vllm", "--gpu-memory-utilization", "0.8") == []
+    with pytest.raises(config.ConfigError, match=r"--gpu-memory-utilization = 1.0 \(must be in \(0, 1\): the trainer"):
+        config.parse_config(["--gpu-memory-utilization", "1.0"])  # --plan's arithmetic had raised a traceback
+
+
 def test_a_critic_offset_without_a_critic_and_bradley_terry_without_pairs_are_refused():
     with pytest.raises(config.ConfigError, match=r"--critic-init-offset = -2.0 \(must be 0 with --estimator grpo"):
         config.parse_config(["--estimator", "grpo", "--critic-init-offset", "-2"])
@@ -579,7 +600,7 @@ def test_critic_error_metrics_against_a_direct_computation():
 
 @pytest.mark.parametrize("flag", ["--mixed-precision", "--cpu-offload"])
 def test_gpu_only_flags_stop_a_cpu_run_before_any_stage(tmp_path, flag):
-    with pytest.raises(config.ConfigError, match=f"{flag} needs a GPU"):
+    with pytest.raises(config.ConfigError, match=f"{flag} needs a GPU.*: pass --no-{flag[2:]} \\(the qwen2.5 presets set it"):
         train.main(micro_config(tmp_path, flag))
     assert not any(tmp_path.iterdir())  # nothing built, not even pi_SFT
 
@@ -715,12 +736,14 @@ def test_two_torchrun_agents_as_two_nodes_give_the_metrics_of_one_node(one_node_
         assert two[key] == (pytest.approx(value, rel=1e-6) if isinstance(value, float) else value), key
 
 
-def test_grpo_run_loads_no_critic_and_logs_no_critic_metrics(out_dir, sft):
+def test_grpo_run_loads_no_critic_and_logs_no_critic_metrics(out_dir, sft, capsys):
     from torch.distributed.checkpoint import FileSystemReader
 
     cfg = micro_config(out_dir, "--run-name", "grpo", "--steps", "2", "--estimator", "grpo",
                        "--value-pretrain-steps", "2", "--critic-init", "rm")
     train.main(cfg)
+    assert re.search(r"note: --estimator grpo trains no critic: --critic-init rm, --value-pretrain-steps 2, .*change nothing",
+                     capsys.readouterr().out)
     rows = read_metrics(out_dir / "grpo")
     assert [r["step"] for r in rows] == [0, 1] and "actor/pg_loss" in rows[0]
     assert not [key for r in rows for key in r if key.startswith("critic/")]
