@@ -166,6 +166,7 @@ def train_orm(model, batches: list[RolloutBatch], outcomes: list[torch.Tensor], 
         history.append({"step": step, "orm/loss": totals["loss"] / count, accuracy: totals["correct"] / count,
                         "orm/grad_norm": grad_norm})
         bar.set_postfix(loss=f"{history[-1]['orm/loss']:.3f}")
+    optimizer.zero_grad(set_to_none=True)  # the trained ORM keeps no gradients (ppo_update.update_model)
     model.eval()
     return history
 

@@ -33,9 +33,11 @@ class DistInfo:
 _gloo_threads = False
 
 
-def init_distributed() -> DistInfo:
+def init_distributed(cpu_collectives: bool = False) -> DistInfo:
     """Join torchrun's process group (nccl on GPU, gloo on CPU). Without torchrun: on a GPU, a
-    group of this one process (`launch_as_one_rank`); on the CPU, the single process, no group."""
+    group of this one process (`launch_as_one_rank`); on the CPU, the single process, no group.
+    cpu_collectives (--cpu-offload): on GPUs, gloo too for tensors on the CPU, such as the partial
+    gradient norms of offloaded shards that clip_grad_norm_ all-reduces (NCCL has no CPU backend)."""
     global _gloo_threads
     if "RANK" not in os.environ and torch.cuda.is_available():
         launch_as_one_rank()
@@ -44,7 +46,7 @@ def init_distributed() -> DistInfo:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
-        device, backend = torch.device("cuda", local_rank), "nccl"
+        device, backend = torch.device("cuda", local_rank), "cpu:gloo,cuda:nccl" if cpu_collectives else "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():

@@ -75,6 +75,9 @@ def update_model(cfg, model, optimizer, batch, per_token, loss_fn, seed, prefix)
                 raise FloatingPointError(f"{prefix}: gradient norm is {grad_norm}")
             grad_norms.append(grad_norm)
             optimizer.step()
+    # Freed now, not at the next step's first mini-batch: the other model's update, the rollout and
+    # vLLM's KV cache would otherwise share the GPU with this model's gradients (memory_plan counts none).
+    optimizer.zero_grad(set_to_none=True)
     model.eval()  # as loaded: the no-grad forwards and generation keep their KV cache
     totals = reduce_metrics(totals, sums=totals.keys()) | {"grad_norm": sum(grad_norms)}
     return {f"{prefix}/{name}": value / len(grad_norms) for name, value in totals.items()}

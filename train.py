@@ -49,9 +49,11 @@ from reward import Grader
 POSITION_BINS = 4  # advantage mean per quarter of each response, early to late (paper Fig. 2)
 
 
-def policy_forward(actor, batch, temperature: float, with_entropy: bool = False, chunk_tokens: int | None = None):
+def policy_forward(actor, batch, temperature: float, with_entropy: bool = False, chunk_tokens: int | None = None,
+                   entropy_grad: bool = True):
     """log pi(y_t | s_t) for every response token (and the entropy), recomputed by the trained model.
-    chunk_tokens: from the hidden states, that many positions at a time (ppo.token_logprobs_and_entropy)."""
+    chunk_tokens: from the hidden states, that many positions at a time (ppo.token_logprobs_and_entropy).
+    entropy_grad=False: the entropy is only logged, so no graph keeps its [B, T, V] softmax."""
     T = batch.response_ids.shape[1]
     # Only the outputs that predict response tokens are needed: the last T + 1 minus the final one.
     if chunk_tokens is not None:
@@ -60,7 +62,8 @@ def policy_forward(actor, batch, temperature: float, with_entropy: bool = False,
         return statistics[..., 0] * batch.response_mask, statistics[..., 1] if with_entropy else None
     logits = actor(**batch.model_inputs(), logits_to_keep=T + 1).logits[:, :-1]
     logprobs = response_logprobs(logits, batch.response_ids, temperature) * batch.response_mask
-    entropy = entropy_from_logits(logits, temperature) if with_entropy else None
+    with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
+        entropy = entropy_from_logits(logits, temperature) if with_entropy else None
     return logprobs, entropy
 
 
@@ -87,7 +90,7 @@ def head_gives_token_statistics(actor, response_ids, temperature, chunk_tokens, 
 def actor_loss(actor, micro, per_token, normalizer, cfg):
     """Clipped surrogate (Eq. 1) of one micro-batch, plus the optional entropy bonus and KL term."""
     logprobs, entropy = policy_forward(actor, micro, cfg.temperature, with_entropy=True,
-                                       chunk_tokens=cfg.logprob_chunk_tokens)
+                                       chunk_tokens=cfg.logprob_chunk_tokens, entropy_grad=bool(cfg.entropy_coef))
     mask = micro.response_mask
     loss, metrics = policy_loss(
         logprobs, per_token["old_logprobs"], per_token["advantages"], mask,
@@ -333,7 +336,7 @@ def main(cfg: Config) -> dict:
         fsdp_utils.check_gpu_options(cfg.mixed_precision, cfg.cpu_offload)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    dist_info = fsdp_utils.init_distributed()
+    dist_info = fsdp_utils.init_distributed(cpu_collectives=cfg.cpu_offload)
     torch.set_num_threads(cpu_threads(cfg))
     torch.manual_seed(cfg.seed)
     with rundir.locked(cfg) as run_dir, preemption.handled(lambda: left_behind(run_dir)):

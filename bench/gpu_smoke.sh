@@ -86,7 +86,8 @@ diverges for good after its first different token). Weights that failed to load 
 import os, sys, time
 import torch
 from common import PROMPTS, tiny_actor
-from fsdp_utils import export_hf_checkpoint, init_distributed, iter_full_weights, shard_model
+from fsdp_utils import init_distributed, shard_model
+from support.checkpoints import export_hf_checkpoint, iter_full_weights
 from rollout import HFRollout, VLLMRollout
 
 work, offload = sys.argv[1], sys.argv[2] == "offload"

@@ -71,8 +71,10 @@ def load_pretrained(model_class, path: str, config=None, fresh=(), device=None, 
         problems += [f"{mismatch} has the wrong shape" for mismatch in loaded["mismatched_keys"]]
         if problems:
             raise CheckpointError(f"{path}: {'; '.join(problems)} (a {model_class.__name__} needs them)")
-        # FSDP2 over a one-rank group on a GPU; on the CPU, the same model with the checkpointing asked for
-        return shard_model(model if device is None else model.to(device), **shard_options)
+        # FSDP2 over a one-rank group on a GPU; on the CPU, the same model with the checkpointing asked for.
+        # Offloaded, it stays on the CPU: fully_shard moves one layer at a time through the GPU, as with many ranks.
+        on_cpu = device is None or (shard_options.get("cpu_offload") and torch.cuda.is_available())
+        return shard_model(model if on_cpu else model.to(device), **shard_options)
     from transformers import AutoConfig, GenerationConfig
 
     config = config if config is not None else AutoConfig.from_pretrained(path)
@@ -377,7 +379,8 @@ def iter_full_weights(
             if isinstance(tensor, DTensor):
                 if tensor.device.type != tensor.device_mesh.device_type:  # CPU-offloaded shard
                     tensor = tensor.to(tensor.device_mesh.device_type)
-                tensor = tensor.full_tensor()
+                # Cast the shard, then gather: half the traffic, and no whole fp32 tensor beside its copy.
+                tensor = (tensor if dtype is None else tensor.to(dtype)).full_tensor()
             tensor = tensor.detach()
             bucket.append((name, tensor if dtype is None else tensor.to(dtype)))
         yield bucket

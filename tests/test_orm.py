@@ -70,6 +70,7 @@ def test_orm_loss_falls_and_save_load_round_trips(tmp_path, one_thread):
     first = sum(h["orm/loss"] for h in history[:8]) / 8
     last = sum(h["orm/loss"] for h in history[-8:]) / 8
     assert last < 0.5 * first, (first, last)
+    assert all(p.grad is None for p in model.parameters())  # a trained ORM holds no gradients
     held_out, labels = _synthetic_batch(seed=99)
     scores = orm_scores(model, held_out)
     assert (torch.sign(scores) == labels).float().mean() >= 0.75

@@ -522,3 +522,4 @@ def test_update_model_clips_the_gradient_norm_to_max_grad_norm(max_grad_norm, ex
                            seed=0, prefix="m")
     assert metrics["m/grad_norm"] == pytest.approx(100.0, rel=1e-5)
     assert model.weight.item() == pytest.approx(-expected_step, rel=1e-5)
+    assert model.weight.grad is None  # freed: the rollout and the other model's update need the memory

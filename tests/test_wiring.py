@@ -317,6 +317,24 @@ def test_entropy_bonus_lowers_and_kl_penalty_raises_the_actor_loss(actor, script
     assert metrics["kl"].item() == pytest.approx(mean_k3.item(), rel=1e-4)
 
 
+def test_the_entropy_is_logged_without_a_graph_unless_the_loss_uses_it(actor, scripted_batch):
+    """With --entropy-coef 0 the entropy is a metric only: computed without autograd (no graph keeps
+    its [B, T, V] softmax), with the same value; with a coefficient its gradient reaches the actor."""
+    mask = scripted_batch.response_mask
+    logprobs, entropy = train.policy_forward(actor, scripted_batch, 0.7, with_entropy=True, entropy_grad=False)
+    _, tracked = train.policy_forward(actor, scripted_batch, 0.7, with_entropy=True)
+    assert logprobs.requires_grad and not entropy.requires_grad and tracked.requires_grad
+    torch.testing.assert_close(entropy, tracked.detach())
+    per_token = {"old_logprobs": logprobs.detach(), "advantages": mask.clone()}
+    weight = actor.get_output_embeddings().weight
+    grads = {}
+    for coef in (0.0, 0.1):
+        loss, metrics = train.actor_loss(actor, scripted_batch, per_token, float(mask.sum()), actor_config(entropy_coef=coef))
+        grads[coef] = torch.autograd.grad(loss, weight)[0]
+        assert metrics["entropy"].item() == pytest.approx(((tracked * mask).sum() / mask.sum()).item(), rel=1e-5)
+    assert not torch.allclose(grads[0.0], grads[0.1])
+
+
 # --- value pretraining (§3.2) ----------------------------------------------------------------
 
 
