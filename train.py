@@ -321,7 +321,9 @@ def print_plan(cfg: Config) -> None:
         gpu_memory_utilization=cfg.gpu_memory_utilization, mixed_precision=cfg.mixed_precision,
         activation_checkpointing=cfg.activation_checkpointing, cpu_offload=cfg.cpu_offload,
         gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", 8)), gpu_gib=target.gpu_gib,
-        reference_policy=bool(cfg.kl_coef),
+        reference_policy=bool(cfg.kl_coef), with_critic=cfg.estimator == "gae", vllm=cfg.rollout == "vllm",
+        checkpoint_fraction=cfg.checkpoint_fraction, logits_chunk_tokens=cfg.logprob_chunk_tokens,
+        entropy_bonus=bool(cfg.entropy_coef),
     )
     print(f"target of --preset {cfg.preset}: {target.name} ({target.gpu_gib} GiB a GPU)")
     print(memory_plan.plan(shape, launch_world_size(cfg), **options))

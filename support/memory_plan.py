@@ -23,6 +23,11 @@ import argparse
 from dataclasses import dataclass, field
 
 GIB = 1024**3
+# The actor's output head, per (token x vocab) element, at its peak (the forward; measured on the CPU
+# by a TorchDispatchMode count of live tensors): bf16 logits 2, their fp32 copy that logsumexp keeps
+# 4, and the entropy metric's own fp32 copy, softmax and product 12. With an entropy bonus
+# (--entropy-coef > 0) the entropy's graph is kept and its backward peaks at 24.
+LOGITS_BYTES, LOGITS_BYTES_WITH_ENTROPY = 18, 24
 # Host-side constants of the code this plans for: checkpoints.READ_BYTES (each rank's read buffer,
 # held twice: the copy and the file pages it maps) and export_hf_checkpoint's default file size.
 READ_BYTES = 64 << 20
@@ -160,6 +165,11 @@ def plan(
     reserved_gib: float = 5.0,
     gpus_per_node: int = 8,
     reference_policy: bool = False,
+    with_critic: bool = True,
+    vllm: bool = True,
+    checkpoint_fraction: float = 1.0,
+    logits_chunk_tokens: int | None = None,
+    entropy_bonus: bool = False,
 ) -> MemoryPlan:
     """Per-GPU memory of actor + critic training (FSDP2 over `world_size`) and vLLM rollouts, and
     host memory per node of `gpus_per_node` ranks.
@@ -168,7 +178,11 @@ def plan(
     backbone). micro_batch_tokens: prompt + response tokens in one forward/backward per GPU.
     gpu_gib: what the GPU reports (H200 "141 GB": 143,771 MiB = 140.4 GiB); reserved_gib: CUDA
     context, NCCL buffers and fragmentation, not available to either phase. reference_policy:
-    a frozen copy of the actor is loaded too (--kl-coef).
+    a frozen copy of the actor is loaded too (--kl-coef). with_critic=False: no critic (--estimator
+    grpo). vllm=False: `generate` samples from the actor itself (--rollout hf or hf-fast), whose KV
+    cache is not counted. checkpoint_fraction: the share of layers recomputed under activation
+    checkpointing. logits_chunk_tokens (--logprob-chunk-tokens): the actor's logits are built that
+    many tokens at a time. entropy_bonus (--entropy-coef > 0): the entropy's graph is kept too.
     """
     actor = model if isinstance(model, ModelShape) else ModelShape.from_config(model)
     critic = actor if critic is None else critic if isinstance(critic, ModelShape) else ModelShape.from_config(critic)
@@ -178,15 +192,15 @@ def plan(
         raise ValueError(f"gpus_per_node must be positive, got {gpus_per_node}")
     if not 0 < gpu_memory_utilization < 1:
         raise ValueError(f"gpu_memory_utilization must lie in (0, 1), got {gpu_memory_utilization}")
-    n_actor, n_critic = actor.params(), critic.params(value_head=True)
+    n_actor, n_critic = actor.params(), critic.params(value_head=True) if with_critic else 0
     compute_bytes = 2 if mixed_precision else 4  # bf16 or fp32 for gathered layers and activations
     on_gpu = 0.0 if cpu_offload else 1.0
     shard = lambda n, nbytes: on_gpu * n * nbytes / world_size / GIB  # fp32 sharded state
     rows = [
         ("actor parameters (fp32, sharded)", shard(n_actor, 4), shard(n_actor, 4)),
         ("actor AdamW states (2 x fp32, sharded)", shard(n_actor, 8), shard(n_actor, 8)),
-        ("critic parameters (fp32, sharded)", shard(n_critic, 4), shard(n_critic, 4)),
-        ("critic AdamW states (2 x fp32, sharded)", shard(n_critic, 8), shard(n_critic, 8)),
+        *([("critic parameters (fp32, sharded)", shard(n_critic, 4), shard(n_critic, 4)),
+           ("critic AdamW states (2 x fp32, sharded)", shard(n_critic, 8), shard(n_critic, 8))] if with_critic else []),
         *([("reference policy parameters (fp32, sharded)", shard(n_actor, 4), shard(n_actor, 4))]
           if reference_policy else []),
         # Actor and critic are updated one after the other; gradients are freed in between.
@@ -194,26 +208,36 @@ def plan(
         # FSDP holds the running layer and prefetches the next one, unsharded.
         ("gathered layers (2 decoder layers)", 0.0, 2 * actor.layer_params * compute_bytes / GIB),
     ]
-    activations = {name: _activations(shape, micro_batch_tokens, compute_bytes, activation_checkpointing, lm)
-                   for name, shape, lm in (("actor", actor, True), ("critic", critic, False))}
+    checkpointed = activation_checkpointing and checkpoint_fraction
+    logits_tokens = min(micro_batch_tokens, logits_chunk_tokens or micro_batch_tokens)
+    logits_bytes = LOGITS_BYTES_WITH_ENTROPY if entropy_bonus else LOGITS_BYTES
+    activations = {"actor": _activations(actor, micro_batch_tokens, compute_bytes, checkpointed)
+                   + logits_tokens * actor.vocab * logits_bytes / GIB}
+    if with_critic:
+        activations["critic"] = _activations(critic, micro_batch_tokens, compute_bytes, checkpointed)
     rows.append(("activations of one micro-batch (actor/critic max)", 0.0, max(activations.values())))
-    vllm_total = gpu_memory_utilization * gpu_gib
-    vllm_weights = n_actor * 2 / tensor_parallel_size / GIB
-    rows.append(("vLLM weights (bf16 / tensor parallel)", vllm_weights, 0.0))
-    rows.append(("vLLM KV cache and buffers (rest of its share)", vllm_total - vllm_weights, 0.0))
+    vllm_total = gpu_memory_utilization * gpu_gib if vllm else 0.0
+    vllm_weights = n_actor * 2 / tensor_parallel_size / GIB if vllm else 0.0
+    if vllm:
+        rows.append(("vLLM weights (bf16 / tensor parallel)", vllm_weights, 0.0))
+        rows.append(("vLLM KV cache and buffers (rest of its share)", vllm_total - vllm_weights, 0.0))
 
     # KV per token on one GPU: K and V, every layer, this GPU's KV heads (replicated when fewer than TP).
     kv_heads_here = max(actor.kv_heads // tensor_parallel_size, 1)
     kv_per_token = 2 * actor.layers * kv_heads_here * actor.head_dim * 2
     kv_tokens = max(vllm_total - vllm_weights - 2.0, 0.0) * GIB / kv_per_token  # ~2 GiB of vLLM buffers
     notes = [
-        f"actor {n_actor / 1e9:.2f}B parameters, critic {n_critic / 1e9:.2f}B; world size {world_size}, "
-        f"vLLM tensor parallel {tensor_parallel_size} ({world_size // tensor_parallel_size} engines)",
+        f"actor {n_actor / 1e9:.2f}B parameters, " + (f"critic {n_critic / 1e9:.2f}B" if with_critic else "no critic")
+        + f"; world size {world_size}, "
+        + (f"vLLM tensor parallel {tensor_parallel_size} ({world_size // tensor_parallel_size} engines)" if vllm
+           else "no vLLM: the actor samples, and its KV cache is not counted"),
         f"activations per micro-batch of {micro_batch_tokens} tokens: actor {activations['actor']:.1f} GiB "
-        f"(logits {micro_batch_tokens * actor.vocab * 10 / GIB:.1f}), critic {activations['critic']:.1f} GiB",
-        f"vLLM KV cache holds ~{kv_tokens / 1e3:.0f}k tokens per engine "
-        f"({kv_per_token // 1024} KiB per token per GPU)",
+        f"(logits {logits_tokens * actor.vocab * logits_bytes / GIB:.1f})"
+        + (f", critic {activations['critic']:.1f} GiB" if with_critic else ""),
     ]
+    if vllm:
+        notes.append(f"vLLM KV cache holds ~{kv_tokens / 1e3:.0f}k tokens per engine "
+                     f"({kv_per_token // 1024} KiB per token per GPU)")
     if vllm_weights > vllm_total:
         notes.append("vLLM's share cannot even hold its weights: raise gpu_memory_utilization or tensor parallelism")
     ranks = min(gpus_per_node, world_size)
@@ -261,16 +285,14 @@ def needs(model, world_sizes=(8, 16), **options) -> list[str]:
     return lines
 
 
-def _activations(shape: ModelShape, tokens: int, nbytes: int, checkpointing: bool, lm_head: bool) -> float:
-    """GiB for one forward + backward of `tokens` tokens."""
+def _activations(shape: ModelShape, tokens: int, nbytes: int, checkpoint_fraction: float) -> float:
+    """GiB the decoder layers hold for one forward + backward of `tokens` tokens, with that share of
+    them checkpointed (0: none; fsdp_utils.shard_model rounds it to a count of layers)."""
     per_layer = shape.activation_elements_per_token() * tokens * nbytes
-    if checkpointing:  # every layer keeps its input; one layer is recomputed, with its gradients
-        total = shape.layers * shape.hidden * tokens * nbytes + 2 * per_layer
-    else:
-        total = shape.layers * per_layer
-    if lm_head:  # bf16 logits + fp32 log-softmax kept for backward + its fp32 gradient: 10 bytes
-        total += tokens * shape.vocab * 10
-    return total / GIB
+    recomputed = max(1, round(checkpoint_fraction * shape.layers)) if checkpoint_fraction else 0
+    # A checkpointed layer keeps its input; the one being recomputed holds its activations and their gradients.
+    total = recomputed * shape.hidden * tokens * nbytes + (shape.layers - recomputed) * per_layer
+    return (total + (2 * per_layer if recomputed else 0)) / GIB
 
 
 def main(argv: list[str] | None = None) -> MemoryPlan:

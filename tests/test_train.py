@@ -505,6 +505,40 @@ def test_each_gpu_preset_fits_its_target_hardware_by_plan(preset, world_size, pa
     assert "74.6 GiB usable" in out if preset != "qwen2.5-32b" else "135.4 GiB usable" in out  # 80 GB GPUs or H200
 
 
+def test_the_plan_follows_the_flags_that_change_what_a_gpu_holds():
+    """--plan of the 1.5B preset, against itself with one flag changed: no critic with GRPO, no
+    vLLM with another rollout, the logits term (18 bytes a token x vocab element) per chunk of
+    --logprob-chunk-tokens or with an entropy bonus (24), fewer checkpointed layers."""
+    from support import memory_plan
+
+    def plan(*flags):
+        cfg = config.parse_config(["--preset", "qwen2.5-1.5b", "--plan", *flags])
+        train.print_plan(cfg)  # and it prints
+        shape = memory_plan.TARGETS["qwen2.5-1.5b"].model
+        options = dict(micro_batch_tokens=9216, gpu_memory_utilization=cfg.gpu_memory_utilization,
+                       with_critic=cfg.estimator == "gae", vllm=cfg.rollout == "vllm",
+                       checkpoint_fraction=cfg.checkpoint_fraction, logits_chunk_tokens=cfg.logprob_chunk_tokens,
+                       entropy_bonus=bool(cfg.entropy_coef), tensor_parallel_size=1)
+        p = memory_plan.plan(shape, 1, **options)
+        return {name: (rollout, training) for name, rollout, training in p.rows}, p
+
+    base, whole = plan()
+    logits = 9216 * 151936 * 18 / memory_plan.GIB
+    assert base["activations of one micro-batch (actor/critic max)"][1] > logits
+    grpo, _ = plan("--estimator", "grpo", "--samples-per-prompt", "2")
+    assert "critic parameters (fp32, sharded)" in base and not any(name.startswith("critic") for name in grpo)
+    hf, _ = plan("--rollout", "hf")
+    assert base["vLLM weights (bf16 / tensor parallel)"][0] > 0 and not any("vLLM" in name for name in hf)
+    activations = lambda rows: rows["activations of one micro-batch (actor/critic max)"][1]  # noqa: E731
+    chunked, _ = plan("--logprob-chunk-tokens", "1024")
+    assert activations(base) - activations(chunked) == pytest.approx((9216 - 1024) * 151936 * 18 / memory_plan.GIB)
+    bonus, _ = plan("--entropy-coef", "0.01")
+    assert activations(bonus) - activations(base) == pytest.approx(9216 * 151936 * 6 / memory_plan.GIB)
+    half, _ = plan("--checkpoint-fraction", "0.5")
+    assert activations(half) > activations(base)
+    assert whole.fits
+
+
 def test_a_model_without_a_preset_on_a_gpu_is_refused_naming_the_presets(monkeypatch):
     import torch
 
