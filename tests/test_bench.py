@@ -86,3 +86,30 @@ def test_rollout_memory_floor_counts_every_key_and_value_read():
     config = Qwen2Config(**mfu_bench.TINY)
     per_key = config.num_key_value_heads * (config.hidden_size // config.num_attention_heads) * 4
     assert rollout_bench.call_kv_bytes(config, [3], [2]) == config.num_hidden_layers * 2 * per_key * 10
+
+
+def test_decode_step_bench_times_the_models_own_step_and_an_operator_copy_with_the_same_logits(capsys):
+    import decode_step_bench
+
+    results = decode_step_bench.main(["--rows", "3", "--keys", "5", "9", "--repeats", "1"])
+    last = capsys.readouterr().out.strip().splitlines()[-2:]
+    assert [r["keys"] for r in results] == [5, 9]
+    for r, line in zip(results, last):
+        assert r["difference"] < 1e-5  # the operator copy decodes the same logits as Decoder.step
+        assert re.fullmatch(rf"decode keys={r['keys']} hf_ms=[\d.]+ ops_ms=[\d.]+ sdpa_ms=[\d.]+ matmul_ms=[\d.]+ "
+                            r"bound_ms=[\d.]+ best_speedup=[\d.]+", line)
+    # pi_SFT's shape: 3 layers of (128 x 256 q/k/v, 128 x 128 o, 128 x 768 gate/up, 384 x 128 down) and the head
+    vocab = results[0]["flops"] / (2 * 3) - 3 * (128 * 256 + 128 * 128 + 128 * 768 + 384 * 128)
+    assert vocab / 128 == int(vocab / 128) and results[1]["kv_bytes"] == 3 * 3 * 2 * 1 * 64 * 4 * 9
+
+
+def test_operator_step_refuses_a_model_whose_mlp_is_not_silu():
+    import decode_step_bench
+    from support.fast_rollout import Decoder
+    from support.task import build_tokenizer, make_tiny_model
+
+    model = make_tiny_model(build_tokenizer(), num_layers=1, seed=0).eval()
+    model.config.hidden_act = "gelu"
+    prompt = torch.zeros(1, 2, dtype=torch.long)
+    with pytest.raises(ValueError, match="gelu"):
+        decode_step_bench.OperatorStep(model, Decoder(model, prompt, torch.ones_like(prompt), 1))
