@@ -58,10 +58,11 @@ class Config:
     """field holding the prompt (text, or a list of chat messages); a dotted key reads a nested field"""
     answer_key: str = "answer"
     """field holding the ground-truth answer, e.g. `reward_model.ground_truth` for verl's files"""
-    val_prompt_key: str | None = None
-    """--prompt-key of --val-data, when its layout differs (GSM8K's `question`); None: --prompt-key"""
-    val_answer_key: str | None = None
-    """--answer-key of --val-data; None: --answer-key"""
+    val_prompt_key: tuple[str, ...] | None = None
+    """--prompt-key of --val-data, when its layout differs: one for every set, or one per --val-data
+    value in order (GSM8K's `question` and MATH-500's `problem`); None: --prompt-key"""
+    val_answer_key: tuple[str, ...] | None = None
+    """--answer-key of --val-data: one for every set, or one per --val-data value; None: --answer-key"""
     answer_format: Literal["gsm8k", "math"] | None = None
     """gold answers of --data: `gsm8k` (the number after '####'), `math` (as written: its last \\boxed{}
     if any); None: `gsm8k` for answers holding '####' and no \\boxed{}, else `math` (--val-data's are
@@ -252,6 +253,21 @@ class Config:
         return [f"{why}: {', '.join(flags)} change{'s' if len(flags) == 1 else ''} nothing"
                 for applies, why, flags in groups if applies and flags]
 
+    def _per_val_set(self, field: str) -> tuple[bool, str]:
+        """(valid, what valid is) for --val-prompt-key / --val-answer-key: unset without --val-data,
+        else one key for every set or one per --val-data value."""
+        keys = getattr(self, field)
+        if keys is None:
+            return True, ""
+        sets = len(self.val_data or ())
+        return (bool(sets) and len(keys) in (1, sets),
+                f"one key, or one per --val-data value ({sets})" if sets else "unset without --val-data")
+
+    def val_keys(self, i: int) -> tuple[str, str]:
+        """(prompt key, answer key) of the i-th --val-data value."""
+        pick = lambda keys, default: default if keys is None else keys[i if len(keys) > 1 else 0]  # noqa: E731
+        return pick(self.val_prompt_key, self.prompt_key), pick(self.val_answer_key, self.answer_key)
+
     def _task_difficulty_check(self) -> tuple[bool, str]:
         """(valid, what valid is) for --task-difficulty: a range within what pi_SFT was trained on."""
         if self.task_difficulty is None:
@@ -313,8 +329,8 @@ class Config:
             "val_data": (self.val_data is None or (self.data is not None and bool(self.val_data)
                                                    and all(map(_names_files, self.val_data))),
                          "files, folders or globs matching files, with --data"),
-            "val_prompt_key": (self.val_prompt_key is None or self.val_data is not None, "unset without --val-data"),
-            "val_answer_key": (self.val_answer_key is None or self.val_data is not None, "unset without --val-data"),
+            "val_prompt_key": self._per_val_set("val_prompt_key"),
+            "val_answer_key": self._per_val_set("val_answer_key"),
             "prompt_template": (self.prompt_template is None
                                 or (self.data is not None and "{prompt}" in self.prompt_template),
                                 "a text holding '{prompt}', with --data"),

@@ -14,10 +14,10 @@ are read as they are:
   conversational layout), which go through the tokenizer's chat template;
 - fields: `prompt_key` / `answer_key` may be dotted paths into nested fields
   (`reward_model.ground_truth`, verl's); `data_source` (verl's) names the set a record belongs to,
-  else the file's name does (`_set_name`; held-out metrics are reported per data source);
+  else the file's name does (`_set_names`; held-out metrics are reported per data source);
 - answers: `answer_format` "gsm8k" takes the number after GSM8K's `#### `, "math" the answer as
-  written (the grader reads its last `\\boxed{}` if it has one); None detects `####` without a
-  `\\boxed{}`; held-out sets (`--val-data`) are always detected, each set reported apart;
+  written (the grader reads its last `\\boxed{}` if it has one); None detects a last line `#### ...`
+  and no `\\boxed{}`; held-out sets (`--val-data`) are always detected, each set reported apart;
 - `prompt_template` (`"{prompt} Please reason step by step, ..."`) rewrites the prompt text (the
   last user turn of a message list).
 A malformed line, a missing field, an empty prompt or answer stops loading with the file and line
@@ -61,8 +61,14 @@ def encode_prompt(tokenizer, prompt: str | list[dict]) -> list[int]:
     and the template supplies any BOS itself, hence add_special_tokens=False.
     """
     if getattr(tokenizer, "chat_template", None):
+        from jinja2 import TemplateError
+
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        try:  # Gemma's refuses a system turn, Mistral's turns that do not alternate
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except TemplateError as e:
+            roles = ", ".join(m.get("role", "?") for m in messages)
+            raise DataError(f"the model's chat template refuses these messages (roles: {roles}): {e}") from None
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     if not isinstance(prompt, str):
         raise DataError("chat-message prompts need a tokenizer with a chat template; the model's tokenizer has none "
@@ -116,12 +122,14 @@ _NUMBER = re.compile(r"\$?[-\u2212]?\$?(?:\d+(?:,\d+|[ \u2009\u202f]\d{3}(?!\d))
 def gold_answer(answer: str, answer_format: Literal["gsm8k", "math"] | None) -> str:
     """What the grader compares a response's boxed answer with. GSM8K writes a worked solution and
     then `#### 72`: the number that follows the last `####`, thousands separators dropped, a
-    Unicode minus read as `-` ("gsm8k"; None detects it: an answer holding `####` and no
-    `\\boxed{}`, since a Markdown heading is `####` too). Otherwise ("math") the answer as
+    Unicode minus read as `-` ("gsm8k"; None detects it: an answer whose last line starts with `####`
+    and that holds no `\\boxed{}`, since a Markdown heading is `####` too). Otherwise ("math") the answer as
     written: the grader takes its last `\\boxed{}` if it has one. ValueError for a GSM8K answer
     without a number after `####`."""
     if answer_format is None:
-        answer_format = "gsm8k" if GSM8K_MARK in answer and "\\boxed" not in answer else "math"
+        last_line = answer.strip().rpartition("\n")[2].strip()
+        gsm8k = last_line.startswith(GSM8K_MARK) and "\\boxed" not in answer
+        answer_format = "gsm8k" if gsm8k else "math"
     if answer_format == "math":
         return answer
     if GSM8K_MARK not in answer:
@@ -210,9 +218,12 @@ def _check_messages(where: str, messages: list, key: str) -> None:
                                and isinstance(m.get("content"), str) for m in messages):
         raise DataError(f"{where}: field {key!r} is neither text nor a list of chat messages with text 'role' "
                         f"and 'content'")
-    if not any(m["role"] == "user" for m in messages):
+    users = [m for m in messages if m["role"] == "user"]
+    if not users:
         raise DataError(f"{where}: the chat messages in field {key!r} have no user turn "
                         f"(roles: {', '.join(m['role'] for m in messages)})")
+    if not users[-1]["content"].strip():
+        raise DataError(f"{where}: the last user turn of the chat messages in field {key!r} is empty")
     if messages[-1]["role"] == "assistant":  # a whole conversation: the policy would be shown the answer
         raise DataError(f"{where}: the chat messages in field {key!r} end with an assistant turn; a prompt ends "
                         f"where the policy answers (TRL's conversational layout: the 'prompt' field, not 'messages')")
@@ -234,8 +245,12 @@ def _check(where: str, record: object, prompt_key: str, answer_key: str,
     elif not isinstance(prompt, str) or not prompt.strip():
         raise DataError(f"{where}: empty or non-text prompt in field {prompt_key!r}")
     # Numeric answers are common in maths data (42, 0.5); they are graded as text anyway.
-    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or not str(answer).strip():
-        raise DataError(f"{where}: empty or non-text answer in field {answer_key!r}")
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+        hint = " (chat messages: the answer is a field of its own, --answer-key)" if isinstance(answer, list) else ""
+        raise DataError(f"{where}: the answer in field {answer_key!r} is a {type(answer).__name__}, not text or a "
+                        f"number{hint}")
+    if not str(answer).strip():
+        raise DataError(f"{where}: empty answer in field {answer_key!r}")
     if isinstance(answer, float):
         if not math.isfinite(answer):
             raise DataError(f"{where}: the answer in field {answer_key!r} is {answer}")
@@ -246,10 +261,16 @@ def _check(where: str, record: object, prompt_key: str, answer_key: str,
         raise DataError(f"{where}: {e}, field {answer_key!r}: {str(answer)[-60:]!r}") from None
 
 
-def _set_name(file: Path) -> str:
-    """A file's records' data source when they name none: its name, without a Hugging Face shard
-    suffix (`test-00000-of-00001.parquet` -> `test`)."""
-    return re.sub(r"-\d{5}-of-\d{5}$", "", file.stem)
+def _set_names(files: list[Path]) -> dict[Path, str]:
+    """Each file's records' data source when they name none: its name, without a Hugging Face shard
+    suffix (`test-00000-of-00001.parquet` -> `test`: shards of one set share it); `<folder>/<name>`
+    where files of one name lie in different folders (a glob over `aime/test.jsonl` and
+    `math500/test-00000-of-00001.parquet`)."""
+    names = {file: re.sub(r"-\d{5}-of-\d{5}$", "", file.stem) for file in files}
+    folders = {}
+    for file, name in names.items():
+        folders.setdefault(name, set()).add(file.parent)
+    return {file: f"{file.parent.name}/{name}" if len(folders[name]) > 1 else name for file, name in names.items()}
 
 
 def load_records(
@@ -268,7 +289,9 @@ def load_records(
     if max_prompt_tokens is not None and max_prompt_tokens < 1:
         raise ValueError(f"load_records: max_prompt_tokens must be >= 1, got {max_prompt_tokens}")
     records, stats = [], LoadStats()
-    for file in data_files(path):
+    files = data_files(path)
+    set_names = _set_names(files)
+    for file in files:
         suffix = file.suffix.lower()
         if suffix == ".jsonl":
             rows = _jsonl_rows(file)
@@ -296,7 +319,7 @@ def load_records(
                 continue
             source = raw.get("data_source")
             records.append({"prompt": prompt, "answer": answer, "prompt_ids": prompt_ids,
-                            "data_source": source if isinstance(source, str) and source else _set_name(file)})
+                            "data_source": source if isinstance(source, str) and source else set_names[file]})
     stats.loaded = len(records)
     return records, stats
 
@@ -349,8 +372,8 @@ def prepare_data(cfg, tokenizer) -> tuple[list[dict], list[dict]]:
     records = _load(cfg, cfg.data, tokenizer, cfg.prompt_key, cfg.answer_key, cfg.answer_format)
     if cfg.val_data:  # held-out sets of their own: the training data is not split
         # Their gold answers' format is detected, not --answer-format's: MATH-500 beside GSM8K training.
-        keys = (cfg.val_prompt_key or cfg.prompt_key, cfg.val_answer_key or cfg.answer_key)
-        return records, _sets_apart([_load(cfg, spec, tokenizer, *keys, None) for spec in cfg.val_data], cfg.val_data)
+        sets = [_load(cfg, spec, tokenizer, *cfg.val_keys(i), None) for i, spec in enumerate(cfg.val_data)]
+        return records, _sets_apart(sets, cfg.val_data)
     train, held_out = train_eval_split(records, cfg.eval_fraction, seed=0)
     if not train or not held_out:
         raise DataError(f"--data {cfg.data}: {len(records)} records leave {len(train)} for training and "

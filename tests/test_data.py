@@ -57,7 +57,9 @@ def test_chat_template_is_applied_with_generation_prompt(tmp_path):
     ({"answer": "1"}, "missing field 'prompt'"),
     ({"prompt": "x"}, "missing field 'answer'"),
     ({"prompt": "   ", "answer": "1"}, "empty or non-text prompt"),
-    ({"prompt": "x", "answer": ""}, "empty or non-text answer"),
+    ({"prompt": "x", "answer": ""}, "empty answer in field 'answer'"),
+    ({"prompt": "x", "answer": [{"role": "assistant", "content": "2"}]},
+     "the answer in field 'answer' is a list, not text or a number \\(chat messages"),
     ([1, 2], "expected an object"),
 ])
 def test_bad_line_error_names_file_and_line(tmp_path, bad_line, message):
@@ -280,6 +282,8 @@ def test_gsm8k_answers_are_graded_by_their_final_number():
     assert gold_answer("#### 1,000,000", "gsm8k") == "1000000" and gold_answer("#### -3.50", None) == "-3.50"
     assert gold_answer("\\boxed{4}", None) == "\\boxed{4}"  # MATH: as written
     assert gold_answer("#### 72", "math") == "#### 72"  # told otherwise: no detection
+    headings = "#### Step 1: add\n2+3 = 5\n#### Step 2: conclude\nThe answer is 5."  # Markdown, not GSM8K's last line
+    assert gold_answer(headings, None) == headings
     with pytest.raises(ValueError, match="no number after '####'"):
         gold_answer("so the answer is\n#### many", None)
     with pytest.raises(ValueError, match="no '#### <number>'"):
@@ -404,26 +408,25 @@ def test_a_byte_order_mark_a_home_folder_and_a_whole_conversation(tmp_path, monk
 def test_held_out_sets_named_alike_are_reported_apart_each_with_its_own_answer_format(tmp_path, capsys):
     """Two --val-data files named test (GSM8K's test.jsonl, MATH-500's test-00000-of-00001.parquet)
     were merged into one `test` set; --answer-format gsm8k (for GSM8K training data) was applied to
-    MATH-500's answers too, and stopped the run."""
-    from types import SimpleNamespace
-
+    MATH-500's answers too, and stopped the run. Each set reads its own prompt field (GSM8K's
+    `question`, MATH-500's `problem`): one --val-prompt-key per --val-data value."""
+    from support.config import Config
     from support.data import prepare_data
 
     (tmp_path / "gsm8k").mkdir()
     (tmp_path / "math500").mkdir()
     train = write_jsonl(tmp_path / "gsm8k" / "train.jsonl", [{"question": "1+1?", "answer": "1+1=2\n#### 2"}])
     write_jsonl(tmp_path / "gsm8k" / "test.jsonl", [{"question": "2+2?", "answer": "#### 4"}])
-    pd.DataFrame([{"question": "5/10?", "answer": "\\frac{1}{2}"}]).to_parquet(
+    pd.DataFrame([{"problem": "5/10?", "answer": "\\frac{1}{2}"}]).to_parquet(
         tmp_path / "math500" / "test-00000-of-00001.parquet")
-    cfg = SimpleNamespace(data=str(train), prompt_key="question", answer_key="answer", max_prompt_tokens=64,
-                          skip_bad_records=False, eval_fraction=0.1, prompt_template=None, answer_format="gsm8k",
-                          val_data=(str(tmp_path / "gsm8k" / "test.jsonl"), str(tmp_path / "math500")),
-                          val_prompt_key=None, val_answer_key=None)
+    cfg = Config(data=str(train), prompt_key="question", max_prompt_tokens=64, answer_format="gsm8k",
+                 val_data=(str(tmp_path / "gsm8k" / "test.jsonl"), str(tmp_path / "math500")),
+                 val_prompt_key=("question", "problem"))
     train_records, held_out = prepare_data(cfg, char_tokenizer())
     assert [r["answer"] for r in train_records] == ["2"]
     assert [(r["data_source"], r["answer"]) for r in held_out] == [("gsm8k/test", "4"), ("math500/test", "\\frac{1}{2}")]
     assert "reported apart: test -> gsm8k/test, test -> math500/test" in capsys.readouterr().out
-    cfg.val_data = (str(tmp_path / "gsm8k" / "test.jsonl"), str(tmp_path / "gsm8k" / "test.jsonl"))  # one folder
+    cfg.val_data, cfg.val_prompt_key = (str(tmp_path / "gsm8k" / "test.jsonl"),) * 2, ("question",)  # one folder, one key
     assert [r["data_source"] for r in prepare_data(cfg, char_tokenizer())[1]] == ["test#1", "test#2"]
 
 
@@ -451,3 +454,45 @@ def test_a_prompt_limit_below_the_built_in_tasks_prompts_is_refused():
 
     with pytest.raises(DataError, match=r"the built-in task's prompts take up to 10 tokens, over --max-prompt-tokens 6"):
         prepare_data(parse_config(["--max-prompt-tokens", "6"]), task.build_tokenizer())
+
+
+def test_a_chat_template_that_refuses_the_messages_and_an_empty_user_turn_stop_in_one_line(tmp_path):
+    """Gemma's template raises on a system turn, deep in jinja2; the record is named instead. A last
+    user turn of whitespace is no prompt (an empty text prompt was refused already)."""
+    no_system = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not "
+                 "supported') }}{% endif %}<u>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<a>{% endif %}")
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1="}]
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": chat, "answer": "2"}])
+    with pytest.raises(DataError, match=r"d\.jsonl:1: the model's chat template refuses these messages "
+                                        r"\(roles: system, user\): System role not supported"):
+        load_records(path, char_tokenizer(no_system))
+    blank = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "  "}]
+    path = write_jsonl(tmp_path / "e.jsonl", [{"prompt": blank, "answer": "2"}])
+    with pytest.raises(DataError, match=r"e\.jsonl:1: the last user turn of the chat messages in field 'prompt' is empty"):
+        load_records(path, char_tokenizer(TEMPLATE))
+
+
+def test_files_of_one_name_in_different_folders_are_sets_apart_and_shards_of_one_set_are_not(tmp_path):
+    """A glob over aime/test.jsonl and math500/test-00000-of-00001.parquet merged both into `test`."""
+    for folder in ("aime", "math500"):
+        (tmp_path / folder).mkdir()
+    write_jsonl(tmp_path / "aime" / "test.jsonl", [{"prompt": "1+1=", "answer": "2"}])
+    pd.DataFrame([{"prompt": "2+2=", "answer": "4"}]).to_parquet(tmp_path / "math500" / "test-00000-of-00002.parquet")
+    pd.DataFrame([{"prompt": "3+3=", "answer": "6"}]).to_parquet(tmp_path / "math500" / "test-00001-of-00002.parquet")
+    records, _ = load_records(str(tmp_path / "*" / "test*"), char_tokenizer())
+    assert [r["data_source"] for r in records] == ["aime/test", "math500/test", "math500/test"]
+    records, _ = load_records(tmp_path / "math500", char_tokenizer())
+    assert [r["data_source"] for r in records] == ["test", "test"]  # one folder: its shards are one set
+
+
+def test_held_out_keys_are_one_for_every_set_or_one_per_set():
+    from support.config import ConfigError, parse_config
+
+    base = ["--model", "m", "--preset", "tiny", "--data", __file__, "--val-data", __file__, __file__]
+    assert parse_config([*base, "--val-prompt-key", "question"]).val_keys(1) == ("question", "answer")
+    cfg = parse_config([*base, "--val-prompt-key", "question", "problem", "--val-answer-key", "a", "b"])
+    assert cfg.val_keys(0) == ("question", "a") and cfg.val_keys(1) == ("problem", "b")
+    with pytest.raises(ConfigError, match=r"--val-prompt-key = \('a', 'b', 'c'\) \(must be one key, or one per --val-data value \(2\)\)"):
+        parse_config([*base, "--val-prompt-key", "a", "b", "c"])
+    with pytest.raises(ConfigError, match=r"--val-answer-key = \('a',\) \(must be unset without --val-data\)"):
+        parse_config(["--val-answer-key", "a"])
