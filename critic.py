@@ -28,7 +28,7 @@ from support.checkpoints import copy_local_rows, export_hf_checkpoint, load_pret
 from support.config import ConfigError
 from ppo import value_loss
 from rollout import RolloutBatch
-from support.rundir import build_once, check_stage, write_json
+from support.rundir import build_once, check_stage, input_files, write_json
 from sampling import Sampler
 
 
@@ -227,8 +227,10 @@ def orm_path(cfg) -> str:
 
 
 def orm_settings(cfg) -> dict:
-    """What a cached ORM is checked against (its settings.json)."""
-    return {k: getattr(cfg, k) for k in ORM_SETTINGS}
+    """What a cached ORM is checked against (its settings.json); with --model or --data, their
+    files' stamps too (`rundir.input_files`)."""
+    files = input_files(cfg)
+    return {k: getattr(cfg, k) for k in ORM_SETTINGS} | ({"input_files": files} if files else {})
 
 
 def check_orm(cfg) -> None:

@@ -34,7 +34,7 @@ from gae import compute_gae
 from support.masked import check_masked_inputs
 from ppo import explained_variance
 from ppo_update import assert_finite, micro_batched_forward, update_model
-from support.rundir import MAY_CHANGE, build_shared, json_safe
+from support.rundir import MAY_CHANGE, build_shared, input_files, json_safe
 from sampling import Sampler
 
 # Settings that act only after value pretraining (PPO's own, and the run's name).
@@ -54,6 +54,8 @@ def pretrain_settings(cfg) -> dict:
     settings = {k: v for k, v in dataclasses.asdict(cfg).items()
                 if k not in PPO_ONLY + MAY_CHANGE and not (k in KEYED_WHEN_SET and v is None)}
     settings["world_size"] = world_size()
+    if files := input_files(cfg):  # --model and --data by their contents' stamps, not their paths alone
+        settings["input_files"] = files
     if cfg.critic_init == "rm" and cfg.model is not None:  # then each run trains its own ORM (critic.orm_path)
         settings["run_name"] = cfg.run_name
     return settings

@@ -34,6 +34,7 @@ import math
 import os
 import shutil
 import socket
+from pathlib import Path
 
 from tqdm import tqdm
 
@@ -269,6 +270,20 @@ def shared_path(cfg, name: str, settings: dict) -> str:
     """Where `build_shared` keeps the stage `name` built with `settings`."""
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     return os.path.join(cfg.out_dir, "_shared", name, key)
+
+
+def input_files(cfg) -> dict[str, list[int]]:
+    """Size and modification time (ns) of every file in --model's folder and of the data files of
+    --data and --val-data, for the settings of a stage built from them: a model or data rewritten
+    in place (SFT run again into the same folder) then no longer passes for the one the stage was
+    built from. Rank 0's view on every rank (nodes may hold copies of other times). Empty for the
+    built-in task and its pi_SFT, whose settings say what they are."""
+    from support.data import data_files
+
+    paths = sorted(p for p in Path(cfg.model).iterdir() if p.is_file()) if cfg.model else []
+    for spec in ([cfg.data] if cfg.data else []) + list(cfg.val_data or ()):
+        paths += data_files(spec)
+    return fsdp_utils.from_main({str(p): [p.stat().st_size, p.stat().st_mtime_ns] for p in paths})
 
 
 def check_stage(path: str, settings: dict, remedy: str = "delete it to build it again", ignore=()) -> None:

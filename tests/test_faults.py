@@ -389,3 +389,29 @@ def test_a_resume_killed_while_it_trims_the_metrics_log_keeps_every_row(tmp_path
     log = rundir.MetricsLog(str(tmp_path), keep_up_to_step=1)
     log.tb.close()
     assert (tmp_path / "metrics.jsonl").read_text() == "".join(rows[:2])
+
+
+def test_a_model_or_data_rewritten_in_place_is_not_taken_for_the_one_a_stage_was_built_from(tmp_path):
+    """The pretrained critic (and a run's ORM) were keyed by --model's and --data's paths: SFT run
+    again into the same folder got the old policy's critic back in silence. Their files' sizes and
+    modification times are in the key now; the built-in task's key is as it was."""
+    import critic
+    from support.config import parse_config
+
+    model, data = tmp_path / "model", tmp_path / "train.jsonl"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"\0" * 64)
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    cfg = parse_config(["--preset", "tiny", "--model", str(model), "--data", str(data), "--critic-init", "rm"])
+    keys = lambda: (value_pretrain.pretrain_settings(cfg), critic.orm_settings(cfg))  # noqa: E731
+    first = keys()
+    assert keys() == first  # nothing rewritten: the same stage
+    for path in (model / "model.safetensors", data):  # the same size, written again a second later
+        stamp = path.stat().st_mtime_ns + 10**9
+        os.utime(path, ns=(stamp, stamp))
+        rewritten = keys()
+        assert rewritten[0] != first[0] and rewritten[1] != first[1]
+        first = rewritten
+    built_in = parse_config(["--preset", "tiny"])
+    assert "input_files" not in value_pretrain.pretrain_settings(built_in) and "input_files" not in critic.orm_settings(built_in)
