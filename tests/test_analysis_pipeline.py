@@ -214,3 +214,24 @@ def test_orm_quality_and_first_quarter_are_reported(bias):
     assert set(result.first_quarter) == set(advantage_bias.CRITICS)
     md = (out / "advantage_bias.md").read_text()
     assert "base rate" in md and "first quarter" in md
+
+
+def test_first_quarter_advantage_averages_the_first_ceil_quarter_tokens(monkeypatch):
+    """analysis/advantage_bias.py position_sums: the first-quarter numbers in RESULTS.md were only
+    checked for their keys; a half-length window or the whole response passed. Values 0.1 * t,
+    gamma = lambda = 1: A_t = outcome - 0.1 t."""
+    from analysis import advantage_bias
+    from rollout import RolloutBatch
+    from reward import terminal_rewards
+    from sampling import ScoredBatch
+
+    lengths, outcomes = [8, 5], torch.tensor([1.0, -1.0])
+    width = max(lengths)
+    mask = (torch.arange(width)[None] < torch.tensor(lengths)[:, None]).float()
+    batch = RolloutBatch(torch.ones(2, 1, dtype=torch.long), torch.ones(2, 1, dtype=torch.long),
+                         torch.ones(2, width, dtype=torch.long), mask, torch.zeros(2, width), ["stop", "stop"])
+    scored = ScoredBatch(batch, ["", ""], outcomes, terminal_rewards(outcomes, mask), 0, 0, {})
+    monkeypatch.setattr(advantage_bias, "response_values", lambda critic, b: 0.1 * torch.arange(width).float() * b.response_mask)
+    sums = advantage_bias.position_sums([scored], object(), (1.0,), 1.0, width, bin_size=4)
+    # quarter of 8 tokens: t = 0, 1 -> 1 - 0.05; quarter of 5 tokens (ceil 5/4 = 2): t = 0, 1 -> -1 - 0.05
+    assert sums["first_quarter"][1.0] == pytest.approx([0.95, -1.05])

@@ -496,3 +496,32 @@ def test_held_out_keys_are_one_for_every_set_or_one_per_set():
         parse_config([*base, "--val-prompt-key", "a", "b", "c"])
     with pytest.raises(ConfigError, match=r"--val-answer-key = \('a',\) \(must be unset without --val-data\)"):
         parse_config(["--val-answer-key", "a"])
+
+
+def _bos_tokenizer(chat_template):
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<eos>", "<unk>", "<s>"]
+    vocab = {tok: i for i, tok in enumerate(specials + [chr(c) for c in range(32, 127)])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", vocab["<s>"])])
+    tok.decoder = decoders.Fuse()
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
+                                  bos_token="<s>")
+    out.chat_template = chat_template
+    return out
+
+
+def test_a_chat_template_that_writes_the_bos_gets_exactly_one():
+    """support/data.py encode_prompt: the template supplies the BOS, hence add_special_tokens=False;
+    test_data's char tokenizer adds no BOS, so dropping that argument passed there."""
+    template = "{{ bos_token }}{% for m in messages %}<u>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<a>{% endif %}"
+    tok = _bos_tokenizer(template)
+    bos = tok.bos_token_id
+    ids = encode_prompt(tok, "1+1=")
+    assert ids[0] == bos and ids.count(bos) == 1
+    assert tok.decode(ids[1:]) == "<u>1+1=<a>"
+    plain = encode_prompt(_bos_tokenizer(None), "1+1=")  # no template: the tokenizer's own BOS, once
+    assert plain[0] == bos and plain.count(bos) == 1

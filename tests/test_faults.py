@@ -84,6 +84,11 @@ def test_a_damaged_checkpoint_falls_back_to_the_one_before_and_with_none_left_is
     said = f"moved it to {run_dir}/checkpoint.damaged; resuming from the checkpoint before it, {run_dir}/checkpoint.old"
     assert said in capsys.readouterr().out
     assert_same_metrics(read_metrics(base), read_metrics(run_dir))  # step 3 again, as it was
+    # Set aside, not left in place: the next save would have made it checkpoint.old and deleted the good one.
+    assert (run_dir / "checkpoint.damaged").is_dir()
+    assert checkpoints.checkpoint_extra(str(run_dir / "checkpoint"))["step"] == 3
+    assert checkpoints.checkpoint_extra(str(run_dir / "checkpoint.old"))["step"] == 2
+    checkpoints.check_checkpoint(str(run_dir / "checkpoint.old"))
 
     damage(run_dir / "checkpoint", what)  # the new one, and the one before it
     damage(run_dir / "checkpoint.old", what)

@@ -237,3 +237,35 @@ def test_grader_and_rule_reward_refuse_an_infinite_timeout():
             Grader(num_workers=1, timeout_s=bad)
         with pytest.raises(ValueError, match="timeout_s"):
             rule_reward("\\boxed{1}", "1", timeout_s=bad)
+
+
+def test_items_queued_behind_a_hung_item_in_its_chunk_are_graded_not_dropped():
+    """reward.Grader._replace: without `todo.extendleft(reversed(w.pending))` the rest of the hung
+    item's chunk silently scores -1. One worker, 8 items -> chunks of 2: [HANG, 0.75] first."""
+    with Grader(num_workers=1, timeout_s=1.0) as grader:
+        grader.grade(["\\boxed{0.5}"], ["1/2"])  # worker up
+        result = grader.grade([HANG] + ["\\boxed{0.75}"] * 7, ["5"] + ["3/4"] * 7)
+    assert result.num_timeouts == 1
+    assert result.outcomes == [-1.0] + [1.0] * 7
+
+
+def test_an_answer_left_by_an_interrupted_call_does_not_land_in_the_next_one(monkeypatch):
+    """reward.Grader.grade: no test covered the `if w.pending:` clean-up (removing it passed all of
+    test_reward.py). A call interrupted while its item is with the worker (a KeyboardInterrupt, as
+    in test_train's killed runs) leaves that answer in the pipe; the next call must not read it."""
+    with Grader(num_workers=1, timeout_s=10.0) as grader:
+        grader.grade(["\\boxed{0.5}"], ["1/2"])  # worker up
+        real_wait = reward.wait
+
+        def interrupted(conns, timeout=None):
+            if grader.workers[0].pending:
+                raise KeyboardInterrupt
+            return real_wait(conns, timeout=timeout)
+
+        monkeypatch.setattr(reward, "wait", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            grader.grade(["\\boxed{\\frac12}"], ["0.5"])  # sent to the worker, its True never read
+        monkeypatch.undo()
+        result = grader.grade(["no box here"], ["1"])  # decided without the worker: -1
+        assert result.outcomes == [-1.0] and result.num_missing_box == 1
+        assert grader.grade(["\\boxed{\\frac14}"], ["0.25"]).outcomes == [1.0]  # and the pool still grades

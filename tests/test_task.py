@@ -174,3 +174,21 @@ def test_long_shape_has_wide_lines_and_long_traces_graded_like_the_short_ones(to
     assert task.make_problems(5, seed=0) == task.make_problems(5, 0, 1, 48, width=4)
     with pytest.raises(ValueError):
         task.make_problems(1, seed=0, width=7)
+
+
+@pytest.mark.parametrize("length", ["short", "long"])
+def test_every_line_holds_the_last_width_digits_of_x_times_a_power_of_two(length):
+    """support/task.py step_line: parse_response judges lines with step_line itself and the box is
+    computed apart, so `% 10**WIDTH` for `% 10**width` (long lines wrong) passed test_task. Lines are
+    checked here against x * 2^i mod 10^width computed independently, single and merged."""
+    shape = task.SHAPES[length]
+    for p in task.make_problems(20, 6, *shape.difficulty, shape.width):
+        x, k = task.parse_prompt(p["prompt"])
+        for merge in (0.0, 1.0):
+            lines = task.sft_response(p, random.Random(0), shortcut_prob=0.0, merge_prob=merge).split("\n")[:-1]
+            done = 0
+            for line in lines:
+                labels, digits = line.split(":")
+                done += len(labels)
+                assert digits == str(x * 2**done % 10**shape.width).zfill(shape.width), (p, line)
+            assert done == k and int(digits) == int(p["answer"])
