@@ -118,9 +118,9 @@ class Config:
     samples_per_prompt: int = 2
     """responses per prompt (GRPO needs >= 2)"""
     ppo_epochs: int = 1
-    """passes over each rollout batch"""
+    """passes over each rollout batch (value pretraining's critic updates make as many)"""
     num_minibatches: int = 2
-    """optimizer steps per epoch"""
+    """optimizer steps per epoch (in value pretraining too)"""
     micro_batch_size: int = 16
     """rows per forward/backward (gradient accumulation; does not change the result)"""
     actor_lr: float = 5e-5
