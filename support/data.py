@@ -261,6 +261,22 @@ def _check(where: str, record: object, prompt_key: str, answer_key: str,
         raise DataError(f"{where}: {e}, field {answer_key!r}: {str(answer)[-60:]!r}") from None
 
 
+def _template_marks(tokenizer) -> list[str]:
+    """The special tokens the tokenizer's chat template writes around a user turn (Qwen's
+    `<|im_start|>`, Llama's `<|start_header_id|>`): a prompt holding one was templated already."""
+    if not getattr(tokenizer, "chat_template", None):
+        return []
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False, add_generation_prompt=True)
+    except Exception:  # a template that needs more than one user turn: checked record by record instead
+        return []
+    return [t for t in tokenizer.all_special_tokens if t and t in text]
+
+
+def _texts(prompt: str | list[dict]) -> list[str]:
+    return [prompt] if isinstance(prompt, str) else [m["content"] for m in prompt]
+
+
 def _set_names(files: list[Path]) -> dict[Path, str]:
     """Each file's records' data source when they name none: its name, without a Hugging Face shard
     suffix (`test-00000-of-00001.parquet` -> `test`: shards of one set share it); `<folder>/<name>`
@@ -289,6 +305,7 @@ def load_records(
     if max_prompt_tokens is not None and max_prompt_tokens < 1:
         raise ValueError(f"load_records: max_prompt_tokens must be >= 1, got {max_prompt_tokens}")
     records, stats = [], LoadStats()
+    template_marks = _template_marks(tokenizer)
     files = data_files(path)
     set_names = _set_names(files)
     for file in files:
@@ -310,6 +327,13 @@ def load_records(
                 stats.skipped_malformed += 1
                 continue
             prompt = apply_template(prompt, prompt_template)
+            if marks := [m for m in template_marks if any(m in text for text in _texts(prompt))]:
+                error = DataError(f"{where}: the prompt already holds {marks[0]!r}, which the model's chat template "
+                                  f"writes itself: it would be templated twice; give the plain question or chat messages")
+                if on_error == "raise":
+                    raise error
+                stats.skipped_malformed += 1
+                continue
             try:  # not a fault of the record, so never skipped: a tokenizer without a chat template
                 prompt_ids = encode_prompt(tokenizer, prompt)
             except DataError as e:

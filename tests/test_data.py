@@ -525,3 +525,19 @@ def test_a_chat_template_that_writes_the_bos_gets_exactly_one():
     assert tok.decode(ids[1:]) == "<u>1+1=<a>"
     plain = encode_prompt(_bos_tokenizer(None), "1+1=")  # no template: the tokenizer's own BOS, once
     assert plain[0] == bos and plain.count(bos) == 1
+
+
+def test_a_prompt_templated_already_is_refused_or_counted_not_templated_twice(tmp_path):
+    """A prompt field holding `<|im_start|>system...<|im_start|>assistant\n` went through the chat
+    template again, wrapped in a second user turn, in silence."""
+    tok = char_tokenizer("{% for m in messages %}<|im_start|>{{ m['content'] }}{% endfor %}"
+                         "{% if add_generation_prompt %}<a>{% endif %}")
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
+    templated = {"prompt": "<|im_start|>1+1=<a>", "answer": "2"}
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1=", "answer": "2"}, templated])
+    with pytest.raises(DataError, match=r"d\.jsonl:2: the prompt already holds '<\|im_start\|>', which the model's "
+                                        r"chat template writes itself"):
+        load_records(path, tok)
+    records, stats = load_records(path, tok, on_error="skip")
+    assert len(records) == 1 and stats.skipped_malformed == 1
+    assert len(load_records(path, char_tokenizer())[0]) == 2  # without a template nothing is templated twice
