@@ -272,18 +272,41 @@ def shared_path(cfg, name: str, settings: dict) -> str:
     return os.path.join(cfg.out_dir, "_shared", name, key)
 
 
-def input_files(cfg) -> dict[str, list[int]]:
-    """Size and modification time (ns) of every file in --model's folder and of the data files of
-    --data and --val-data, for the settings of a stage built from them: a model or data rewritten
-    in place (SFT run again into the same folder) then no longer passes for the one the stage was
-    built from. Rank 0's view on every rank (nodes may hold copies of other times). Empty for the
-    built-in task and its pi_SFT, whose settings say what they are."""
+def input_files(cfg) -> dict[str, str]:
+    """A digest of the contents of every file in --model's folder (`file_digest`: sampled) and of
+    the data files of --data and --val-data (whole), for the settings of a stage built from them: a
+    model or data written again at the same path (SFT run again into the same folder) then no longer
+    passes for the one the stage was built from, while a copy (a node's own) still does. Rank 0's
+    on every rank. Empty for the built-in task and its pi_SFT, whose settings say what they are."""
     from support.data import data_files
 
-    paths = sorted(p for p in Path(cfg.model).iterdir() if p.is_file()) if cfg.model else []
-    for spec in ([cfg.data] if cfg.data else []) + list(cfg.val_data or ()):
-        paths += data_files(spec)
-    return fsdp_utils.from_main({str(p): [p.stat().st_size, p.stat().st_mtime_ns] for p in paths})
+    model = sorted(p for p in Path(cfg.model).iterdir() if p.is_file()) if cfg.model else []
+    data = [p for spec in ([cfg.data] if cfg.data else []) + list(cfg.val_data or ()) for p in data_files(spec)]
+    if not fsdp_utils.is_main():
+        return fsdp_utils.from_main(None)
+    digests = {str(p): file_digest(p, pieces=16) for p in model} | {str(p): file_digest(p) for p in data}
+    return fsdp_utils.from_main(digests)
+
+
+def file_digest(path: Path, pieces: int | None = None, piece_bytes: int = 1 << 16) -> str:
+    """sha256 of a file's size and contents; with `pieces`, of that many pieces spread over it
+    (the whole file when smaller): a few milliseconds for a model's tens of GB of weights, and a
+    retrained model differs in every piece."""
+    size = path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with path.open("rb") as f:
+        if pieces is None or size <= pieces * piece_bytes:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        else:
+            for i in range(pieces):
+                f.seek(i * (size - piece_bytes) // (pieces - 1))
+                digest.update(f.read(piece_bytes))
+    return digest.hexdigest()[:16]
+
+
+# Stage settings recorded since a later version: a stage built before holds none, and is not refused for it.
+RECORDED_LATER = ("input_files",)
 
 
 def check_stage(path: str, settings: dict, remedy: str = "delete it to build it again", ignore=()) -> None:
@@ -294,7 +317,9 @@ def check_stage(path: str, settings: dict, remedy: str = "delete it to build it 
     if not os.path.exists(saved):
         raise ConfigError(f"{path} holds no {STAGE_SETTINGS} with the settings it was built with, so it cannot "
                           f"be checked against this run's; {remedy}")
-    check_settings(path, read_json(saved, remedy), settings, ignore=ignore, remedy=remedy)
+    stored = read_json(saved, remedy)
+    unrecorded = tuple(k for k in RECORDED_LATER if k not in stored)
+    check_settings(path, stored, settings, ignore=(*ignore, *unrecorded), remedy=remedy)
 
 
 def save(cfg, run_dir: str, step: int, models: dict, optimizers: dict, schedulers: list) -> None:

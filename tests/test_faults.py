@@ -398,8 +398,9 @@ def test_a_resume_killed_while_it_trims_the_metrics_log_keeps_every_row(tmp_path
 
 def test_a_model_or_data_rewritten_in_place_is_not_taken_for_the_one_a_stage_was_built_from(tmp_path):
     """The pretrained critic (and a run's ORM) were keyed by --model's and --data's paths: SFT run
-    again into the same folder got the old policy's critic back in silence. Their files' sizes and
-    modification times are in the key now; the built-in task's key is as it was."""
+    again into the same folder got the old policy's critic back in silence. A digest of their files'
+    contents is in the key now (a copy, as on a node's own disk, keeps it); the built-in task's key
+    is as it was, and a stage linked before the key held it still resumes."""
     import critic
     from support.config import parse_config
 
@@ -411,12 +412,24 @@ def test_a_model_or_data_rewritten_in_place_is_not_taken_for_the_one_a_stage_was
     cfg = parse_config(["--preset", "tiny", "--model", str(model), "--data", str(data), "--critic-init", "rm"])
     keys = lambda: (value_pretrain.pretrain_settings(cfg), critic.orm_settings(cfg))  # noqa: E731
     first = keys()
-    assert keys() == first  # nothing rewritten: the same stage
-    for path in (model / "model.safetensors", data):  # the same size, written again a second later
-        stamp = path.stat().st_mtime_ns + 10**9
-        os.utime(path, ns=(stamp, stamp))
+    stamp = data.stat().st_mtime_ns + 10**9
+    os.utime(data, ns=(stamp, stamp))  # touched, or copied: the same contents, the same stage
+    assert keys() == first
+    for path, contents in ((model / "model.safetensors", b"\1" * 64), (data, b'{"prompt": "1+1=", "answer": "3"}\n')):
+        path.write_bytes(contents)  # written again: the same size, other contents
         rewritten = keys()
         assert rewritten[0] != first[0] and rewritten[1] != first[1]
         first = rewritten
+    stage = tmp_path / "stage"  # a stage whose settings were recorded before input_files was
+    stage.mkdir()
+    (stage / rundir.STAGE_SETTINGS).write_text(json.dumps({k: v for k, v in first[0].items() if k != "input_files"}))
+    rundir.check_stage(str(stage), first[0])
+    big = tmp_path / "big.bin"  # sampled: a change inside any piece of a large file is seen
+    big.write_bytes(bytes(range(256)) * 40_000)
+    before = rundir.file_digest(big, pieces=16)
+    with big.open("r+b") as f:
+        f.seek(len(bytes(range(256)) * 40_000) - 10)
+        f.write(b"x")
+    assert rundir.file_digest(big, pieces=16) != before
     built_in = parse_config(["--preset", "tiny"])
     assert "input_files" not in value_pretrain.pretrain_settings(built_in) and "input_files" not in critic.orm_settings(built_in)
