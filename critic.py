@@ -23,9 +23,9 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForTokenClassification
 
 from support.data import sample_prompts, stream_seed
-from fsdp_utils import all_reduce, is_main, reduce_metrics, shard_options, world_size
+from fsdp_utils import all_reduce, any_rank, is_main, reduce_metrics, shard_options, world_size
 from support.checkpoints import copy_local_rows, export_hf_checkpoint, load_pretrained
-from support.config import ConfigError
+from support.config import ConfigError, one_key_as_text
 from ppo import value_loss
 from rollout import RolloutBatch
 from support.rundir import build_once, check_stage, input_files, write_json
@@ -230,14 +230,14 @@ def orm_settings(cfg) -> dict:
     """What a cached ORM is checked against (its settings.json); with --model or --data, their
     files' stamps too (`rundir.input_files`)."""
     files = input_files(cfg)
-    return {k: getattr(cfg, k) for k in ORM_SETTINGS} | ({"input_files": files} if files else {})
+    return one_key_as_text({k: getattr(cfg, k) for k in ORM_SETTINGS}) | ({"input_files": files} if files else {})
 
 
 def check_orm(cfg) -> None:
     """Before anything is written: a cached ORM was trained with this run's settings."""
-    path = orm_path(cfg)
-    if os.path.exists(path):
-        check_stage(path, orm_settings(cfg), remedy="delete it to train a new one")
+    path, settings = orm_path(cfg), orm_settings(cfg)  # every rank: orm_settings broadcasts
+    if any_rank(os.path.exists(path)):  # every rank decides alike, as another run may finish it meanwhile
+        check_stage(path, settings, remedy="delete it to train a new one")
 
 
 ORM_HELDOUT_BATCHES = 2  # fresh pi_SFT batches, not trained on, that judge the ORM (quality.json)

@@ -51,7 +51,7 @@ def init_distributed(cpu_collectives: bool = False) -> DistInfo:
         device, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
         dist.init_process_group(backend=backend)
-    _gloo_threads = dist.get_backend() == "gloo"
+    _gloo_threads = "gloo" in dist.get_backend()  # cpu:gloo,cuda:nccl (--cpu-offload) runs gloo too
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
 
 

@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from support import preemption
-from support.config import ConfigError
+from support.config import ConfigError, one_key_as_text
 from critic import critic_loss, response_values, shift_values
 from support.data import sample_prompts, stream_seed
 from fsdp_utils import all_reduce, is_main, reduce_metrics, world_size
@@ -51,8 +51,8 @@ KEYED_WHEN_SET = ("val_data", "val_prompt_key", "val_answer_key", "prompt_templa
 def pretrain_settings(cfg) -> dict:
     """What the pretrained critic depends on: every setting but PPO_ONLY and rundir.MAY_CHANGE (how a
     run runs, which a --resume may change), and the world size (each rank samples its own share)."""
-    settings = {k: v for k, v in dataclasses.asdict(cfg).items()
-                if k not in PPO_ONLY + MAY_CHANGE and not (k in KEYED_WHEN_SET and v is None)}
+    settings = one_key_as_text({k: v for k, v in dataclasses.asdict(cfg).items()
+                                if k not in PPO_ONLY + MAY_CHANGE and not (k in KEYED_WHEN_SET and v is None)})
     settings["world_size"] = world_size()
     if files := input_files(cfg):  # --model and --data by their contents' stamps, not their paths alone
         settings["input_files"] = files

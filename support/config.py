@@ -456,12 +456,21 @@ def _check_preset_chosen() -> None:
                           "settings (actor lr 5e-5, the hf-fast rollout, fp32), and any flag overrides a preset's value")
 
 
+def one_key_as_text(settings: dict) -> dict:
+    """Settings with a one-key --val-prompt-key / --val-answer-key as that key, as recorded (and
+    hashed into shared stages' names) before those flags took one key per held-out set."""
+    return {k: v[0] if k in ("val_prompt_key", "val_answer_key") and isinstance(v, (tuple, list)) and len(v) == 1
+            else v for k, v in settings.items()}
+
+
 def check_settings(where: str, stored: dict, wanted: dict, ignore=(), remedy: str = "delete it") -> None:
     """ConfigError when something saved on disk (a run directory, a cached model) was made with other
     settings than `wanted`: reusing it would silently mix two experiments. Keys in `ignore` may
     differ. The message names every difference, as a flag."""
     wanted = json.loads(json.dumps(wanted))  # as it was stored: a tuple flag reads back as a list
-    diff = sorted(k for k, v in wanted.items() if k not in ignore and stored.get(k) != v)
+    # A flag that took one value before it took several (--val-prompt-key) was recorded as that value.
+    same = lambda old, new: old == new or (isinstance(old, str) and new == [old])  # noqa: E731
+    diff = sorted(k for k, v in wanted.items() if k not in ignore and not same(stored.get(k), v))
     if diff:
         shown = ", ".join(f"--{k.replace('_', '-')} {stored[k]!r} -> {wanted[k]!r}" if k in stored
                           else f"--{k.replace('_', '-')} (not recorded) -> {wanted[k]!r}" for k in diff)

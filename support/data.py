@@ -270,7 +270,8 @@ def _template_marks(tokenizer) -> list[str]:
         text = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False, add_generation_prompt=True)
     except Exception:  # a template that needs more than one user turn: checked record by record instead
         return []
-    return [t for t in tokenizer.all_special_tokens if t and t in text]
+    plain = {tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token, tokenizer.unk_token}  # `<s>` may be HTML
+    return [t for t in tokenizer.all_special_tokens if t and t in text and t not in plain]
 
 
 def _texts(prompt: str | list[dict]) -> list[str]:
@@ -279,14 +280,17 @@ def _texts(prompt: str | list[dict]) -> list[str]:
 
 def _set_names(files: list[Path]) -> dict[Path, str]:
     """Each file's records' data source when they name none: its name, without a Hugging Face shard
-    suffix (`test-00000-of-00001.parquet` -> `test`: shards of one set share it); `<folder>/<name>`
-    where files of one name lie in different folders (a glob over `aime/test.jsonl` and
-    `math500/test-00000-of-00001.parquet`)."""
+    suffix (`test-00000-of-00001.parquet` -> `test`: shards of one set share it); `<folders>/<name>`
+    where files of one name lie in different folders, after the folders below their common one (a
+    glob over `aime/test.jsonl` and `math500/test-00000-of-00001.parquet`; `aime24/data/test` and
+    `math500/data/test` in Hugging Face's layout)."""
     names = {file: re.sub(r"-\d{5}-of-\d{5}$", "", file.stem) for file in files}
     folders = {}
     for file, name in names.items():
-        folders.setdefault(name, set()).add(file.parent)
-    return {file: f"{file.parent.name}/{name}" if len(folders[name]) > 1 else name for file, name in names.items()}
+        folders.setdefault(name, set()).add(file.parent.resolve())
+    common = {name: Path(os.path.commonpath(list(dirs))) for name, dirs in folders.items() if len(dirs) > 1}
+    return {file: f"{file.parent.resolve().relative_to(common[name]).as_posix()}/{name}" if name in common else name
+            for file, name in names.items()}
 
 
 def load_records(

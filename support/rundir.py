@@ -280,7 +280,7 @@ def input_files(cfg) -> dict[str, str]:
     on every rank. Empty for the built-in task and its pi_SFT, whose settings say what they are."""
     from support.data import data_files
 
-    model = sorted(p for p in Path(cfg.model).iterdir() if p.is_file()) if cfg.model else []
+    model = sorted(p for p in Path(cfg.model).iterdir() if p.is_file()) if cfg.model and Path(cfg.model).is_dir() else []
     data = [p for spec in ([cfg.data] if cfg.data else []) + list(cfg.val_data or ()) for p in data_files(spec)]
     if not fsdp_utils.is_main():
         return fsdp_utils.from_main(None)

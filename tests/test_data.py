@@ -483,6 +483,11 @@ def test_files_of_one_name_in_different_folders_are_sets_apart_and_shards_of_one
     assert [r["data_source"] for r in records] == ["aime/test", "math500/test", "math500/test"]
     records, _ = load_records(tmp_path / "math500", char_tokenizer())
     assert [r["data_source"] for r in records] == ["test", "test"]  # one folder: its shards are one set
+    for folder in ("aime24", "math500"):  # Hugging Face's layout: <set>/data/test-00000-of-00001.parquet
+        (tmp_path / "hub" / folder / "data").mkdir(parents=True)
+        pd.DataFrame([{"prompt": "1+1=", "answer": "2"}]).to_parquet(tmp_path / "hub" / folder / "data" / "test-00000-of-00001.parquet")
+    records, _ = load_records(str(tmp_path / "hub" / "*" / "data" / "*.parquet"), char_tokenizer())
+    assert [r["data_source"] for r in records] == ["aime24/data/test", "math500/data/test"]
 
 
 def test_held_out_keys_are_one_for_every_set_or_one_per_set():
@@ -541,3 +546,6 @@ def test_a_prompt_templated_already_is_refused_or_counted_not_templated_twice(tm
     records, stats = load_records(path, tok, on_error="skip")
     assert len(records) == 1 and stats.skipped_malformed == 1
     assert len(load_records(path, char_tokenizer())[0]) == 2  # without a template nothing is templated twice
+    bos_first = _bos_tokenizer("{{ bos_token }}{% for m in messages %}[INST]{{ m['content'] }}{% endfor %}")
+    html = write_jsonl(tmp_path / "h.jsonl", [{"prompt": "In <s>old</s> new, what is 1+1?", "answer": "2"}])
+    assert len(load_records(html, bos_first)[0]) == 1  # the BOS a template writes is no mark: `<s>` is HTML too

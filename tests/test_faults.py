@@ -433,3 +433,20 @@ def test_a_model_or_data_rewritten_in_place_is_not_taken_for_the_one_a_stage_was
     assert rundir.file_digest(big, pieces=16) != before
     built_in = parse_config(["--preset", "tiny"])
     assert "input_files" not in value_pretrain.pretrain_settings(built_in) and "input_files" not in critic.orm_settings(built_in)
+
+
+def test_a_held_out_key_recorded_as_text_still_matches_now_that_it_takes_one_per_set(tmp_path):
+    """--val-prompt-key took one value before it took one per --val-data value: runs, linked stages
+    and shared critics recorded `"question"`, and must still resume and be found as `("question",)`."""
+    import critic
+    from support.config import check_settings, parse_config
+
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    cfg = parse_config(["--preset", "tiny", "--model", str(tmp_path), "--data", str(data), "--val-data", str(data),
+                        "--val-prompt-key", "question"])
+    settings = value_pretrain.pretrain_settings(cfg)
+    assert settings["val_prompt_key"] == "question" and critic.orm_settings(cfg)["val_prompt_key"] == "question"
+    check_settings("run", {"val_prompt_key": "question"}, {"val_prompt_key": cfg.val_prompt_key})  # resume: no error
+    with pytest.raises(ConfigError, match="--val-prompt-key 'question' -> \\['problem'\\]"):
+        check_settings("run", {"val_prompt_key": "question"}, {"val_prompt_key": ("problem",)})
