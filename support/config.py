@@ -468,9 +468,8 @@ def check_settings(where: str, stored: dict, wanted: dict, ignore=(), remedy: st
     settings than `wanted`: reusing it would silently mix two experiments. Keys in `ignore` may
     differ. The message names every difference, as a flag."""
     wanted = json.loads(json.dumps(wanted))  # as it was stored: a tuple flag reads back as a list
-    # A flag that took one value before it took several (--val-prompt-key) was recorded as that value.
-    same = lambda old, new: old == new or (isinstance(old, str) and new == [old])  # noqa: E731
-    diff = sorted(k for k, v in wanted.items() if k not in ignore and not same(stored.get(k), v))
+    old, new = one_key_as_text(stored), one_key_as_text(wanted)  # recorded as text before, or as a list
+    diff = sorted(k for k in new if k not in ignore and old.get(k) != new[k])
     if diff:
         shown = ", ".join(f"--{k.replace('_', '-')} {stored[k]!r} -> {wanted[k]!r}" if k in stored
                           else f"--{k.replace('_', '-')} (not recorded) -> {wanted[k]!r}" for k in diff)

@@ -274,8 +274,12 @@ def _template_marks(tokenizer) -> list[str]:
     return [t for t in tokenizer.all_special_tokens if t and t in text and t not in plain]
 
 
-def _texts(prompt: str | list[dict]) -> list[str]:
-    return [prompt] if isinstance(prompt, str) else [m["content"] for m in prompt]
+def _check_not_templated(where: str, prompt: str | list[dict], marks: list[str]) -> None:
+    """DataError naming `where` when the prompt holds one of the chat template's `marks`."""
+    texts = [prompt] if isinstance(prompt, str) else [m["content"] for m in prompt]
+    if found := [m for m in marks if any(m in text for text in texts)]:
+        raise DataError(f"{where}: the prompt already holds {found[0]!r}, which the model's chat template "
+                        f"writes itself: it would be templated twice; give the plain question or chat messages")
 
 
 def _set_names(files: list[Path]) -> dict[Path, str]:
@@ -325,17 +329,11 @@ def load_records(
         for where, raw in rows:
             try:
                 prompt, answer = _check(where, raw, prompt_key, answer_key, answer_format)
+                prompt = apply_template(prompt, prompt_template)
+                _check_not_templated(where, prompt, template_marks)
             except DataError:
                 if on_error == "raise":
                     raise
-                stats.skipped_malformed += 1
-                continue
-            prompt = apply_template(prompt, prompt_template)
-            if marks := [m for m in template_marks if any(m in text for text in _texts(prompt))]:
-                error = DataError(f"{where}: the prompt already holds {marks[0]!r}, which the model's chat template "
-                                  f"writes itself: it would be templated twice; give the plain question or chat messages")
-                if on_error == "raise":
-                    raise error
                 stats.skipped_malformed += 1
                 continue
             try:  # not a fault of the record, so never skipped: a tokenizer without a chat template

@@ -208,7 +208,7 @@ def plan(
         # FSDP holds the running layer and prefetches the next one, unsharded.
         ("gathered layers (2 decoder layers)", 0.0, 2 * actor.layer_params * compute_bytes / GIB),
     ]
-    checkpointed = activation_checkpointing and checkpoint_fraction
+    checkpointed = checkpoint_fraction if activation_checkpointing else 0.0
     logits_tokens = min(micro_batch_tokens, logits_chunk_tokens or micro_batch_tokens)
     logits_bytes = LOGITS_BYTES_WITH_ENTROPY if entropy_bonus else LOGITS_BYTES
     activations = {"actor": _activations(actor, micro_batch_tokens, compute_bytes, checkpointed)

@@ -282,9 +282,8 @@ def input_files(cfg) -> dict[str, str]:
 
     model = sorted(p for p in Path(cfg.model).iterdir() if p.is_file()) if cfg.model and Path(cfg.model).is_dir() else []
     data = [p for spec in ([cfg.data] if cfg.data else []) + list(cfg.val_data or ()) for p in data_files(spec)]
-    if not fsdp_utils.is_main():
-        return fsdp_utils.from_main(None)
-    digests = {str(p): file_digest(p, pieces=16) for p in model} | {str(p): file_digest(p) for p in data}
+    digests = ({str(p): file_digest(p, pieces=16) for p in model} | {str(p): file_digest(p) for p in data}
+               if fsdp_utils.is_main() else None)
     return fsdp_utils.from_main(digests)
 
 
