@@ -13,13 +13,14 @@
 #   4. only where vLLM imports: vLLM on the GPU (bf16, sleep mode), weight sync, FSDP2 with CPU
 #      offload (two GPUs: tensor parallel 2 under torchrun);
 #   5. the memory plan of the 32B preset.
-# Parts 0-3 and 5 should take about 10 minutes on one H200 (an estimate: not yet run on one).
+# GPU time is scarce, so one failed part does not stop the others: each part runs on its own, each
+# command in it bounded by the part's time limit, and a summary of every part's result and seconds
+# ends the output (exit status 1 if any part failed). GPU_SMOKE_PARTS picks parts and their order.
 #
 #   PYTHON=python3 bench/gpu_smoke.sh
+#   GPU_SMOKE_PARTS="0 3 1" PYTHON=python3 bench/gpu_smoke.sh           # these parts, in this order
 #   GPU_SMOKE_DRY_RUN=1 PYTHON=.venv/bin/python bench/gpu_smoke.sh   # on a CPU: each part's code, tiny
-#
-# Written and dry-run on a machine without a GPU: no part has run on a GPU yet.
-set -euo pipefail
+set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 DRY=${GPU_SMOKE_DRY_RUN:-0}
@@ -41,7 +42,7 @@ if missing:
     sys.exit(f"error: missing {', '.join(missing)} (tyro, math_verify: run bench/fetch_wheels.sh where PyPI is reachable)")
 print(int(importlib.util.find_spec("vllm") is not None))
 EOF
-)
+) || exit 1
 if [ "$DRY" = 1 ]; then
   echo "== DRY RUN on the CPU: tiny shapes, no GPU figures"
   GPU_FLAGS=() ; MFU_FLAGS=(--dry-run --rows 4 --repeats 1) ; GAE_FLAGS=(--dry-run) ; HAVE_VLLM=0
@@ -54,31 +55,7 @@ else
 fi
 "$PY" -c 'import torch, transformers, numba; print(f"torch {torch.__version__} (CUDA: {torch.cuda.is_available()}), transformers {transformers.__version__}, numba {numba.__version__}")'
 
-echo "== part 0: decoupled GAE on the GPU against the CPU loop (max difference <= 1e-5), and the CPU loop"
-"$PY" bench/gae_bench.py --device cuda "${GAE_FLAGS[@]}"
-"$PY" bench/gae_bench.py --threads "$(nproc)" --repeats 10 | tail -5
-
-echo "== part 1: the tiny pipeline in one process, --rollout hf, bf16 + activation checkpointing"
-"$PY" train.py --out-dir "$WORK/runs" --run-name single --rollout hf "${PIPELINE[@]}" \
-  "${GPU_FLAGS[@]}" --activation-checkpointing
-test -f "$WORK/runs/single/summary.json"
-
-echo "== part 2: the same under torchrun (one rank), with the throughput levers"
-"$PY" -m torch.distributed.run --nproc_per_node 1 train.py --out-dir "$WORK/runs" --run-name torchrun \
-  --rollout hf "${PIPELINE[@]}" "${GPU_FLAGS[@]}" --activation-checkpointing --checkpoint-fraction 0.5 \
-  --micro-batch-tokens 2048 --logprob-chunk-tokens 256
-test -f "$WORK/runs/torchrun/summary.json"
-
-echo "== part 3: MFU of the PPO actor update (Qwen2.5-1.5B shape, 8 rows of 1k + 5.4k-7.2k tokens)"
-echo "-- levers off (micro-batches of one row, whole logits, every layer recomputed)"
-"$PY" bench/mfu_bench.py "${MFU_FLAGS[@]}"
-echo "-- token budget + log-probs from hidden states"
-"$PY" bench/mfu_bench.py "${MFU_FLAGS[@]}" --micro-batch-tokens 16384 --logprob-chunk-tokens 4096
-echo "-- and compiled decoder layers, half the layers recomputed"
-"$PY" bench/mfu_bench.py "${MFU_FLAGS[@]}" --micro-batch-tokens 16384 --logprob-chunk-tokens 4096 \
-  --compile-layers --checkpoint-fraction 0.5
-
-if [ "$HAVE_VLLM" = 1 ]; then
+write_smoke_py() {
 cat > "$WORK/smoke.py" <<'EOF'
 """One process per GPU. The reference is Hugging Face in fp32 on CPU; vLLM runs in bf16, so greedy
 agreement is measured, not required to be exact (a random model has near-ties, and a response
@@ -139,18 +116,75 @@ print(f"[rank {info.rank}] after sync: agreement {same:.3f}, tokens changed by t
 assert same >= 0.75 and changed > 0.0
 print(f"[rank {info.rank}] OK")
 EOF
+}
+
+# Each command of a part is stopped at the part's limit (LIMIT, seconds): a hang costs one part.
+bounded() { timeout --kill-after 20 "$LIMIT" "$@"; }
+
+part0() {
+  echo "== part 0: decoupled GAE on the GPU against the CPU loop (max difference <= 1e-5), and the CPU loop"
+  bounded "$PY" bench/gae_bench.py --device cuda "${GAE_FLAGS[@]}"
+  bounded "$PY" bench/gae_bench.py --threads "$(nproc)" --repeats 10 | tail -5
+}
+
+part1() {
+  echo "== part 1: the tiny pipeline in one process, --rollout hf, bf16 + activation checkpointing"
+  bounded "$PY" train.py --out-dir "$WORK/runs" --run-name single --rollout hf "${PIPELINE[@]}" \
+    "${GPU_FLAGS[@]}" --activation-checkpointing
+  test -f "$WORK/runs/single/summary.json"
+}
+
+part2() {
+  echo "== part 2: the same under torchrun (one rank), with the throughput levers"
+  bounded "$PY" -m torch.distributed.run --nproc_per_node 1 train.py --out-dir "$WORK/runs" --run-name torchrun \
+    --rollout hf "${PIPELINE[@]}" "${GPU_FLAGS[@]}" --activation-checkpointing --checkpoint-fraction 0.5 \
+    --micro-batch-tokens 2048 --logprob-chunk-tokens 256
+  test -f "$WORK/runs/torchrun/summary.json"
+}
+
+part3() {
+  echo "== part 3: MFU of the PPO actor update (Qwen2.5-1.5B shape, 8 rows of 1k + 5.4k-7.2k tokens)"
+  echo "-- levers off (micro-batches of one row, whole logits, every layer recomputed)"
+  bounded "$PY" bench/mfu_bench.py "${MFU_FLAGS[@]}"
+  echo "-- token budget + log-probs from hidden states"
+  bounded "$PY" bench/mfu_bench.py "${MFU_FLAGS[@]}" --micro-batch-tokens 16384 --logprob-chunk-tokens 4096
+  echo "-- and compiled decoder layers, half the layers recomputed"
+  bounded "$PY" bench/mfu_bench.py "${MFU_FLAGS[@]}" --micro-batch-tokens 16384 --logprob-chunk-tokens 4096 \
+    --compile-layers --checkpoint-fraction 0.5
+}
+
+part4() {
+  if [ "$HAVE_VLLM" != 1 ]; then echo "== part 4 skipped: vLLM does not import here"; return; fi
+  write_smoke_py
   echo "== part 4: vLLM on one GPU, single process"
-  CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} "$PY" "$WORK/smoke.py" "$WORK/p1" none
+  CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} bounded "$PY" "$WORK/smoke.py" "$WORK/p1" none
   if [ "$("$PY" -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
     echo "== part 4b: torchrun on 2 GPUs, FSDP2 + tensor parallel 2, with and without CPU offload"
-    "$PY" -m torch.distributed.run --nproc_per_node 2 "$WORK/smoke.py" "$WORK/p2" none
-    "$PY" -m torch.distributed.run --nproc_per_node 2 "$WORK/smoke.py" "$WORK/p3" offload
+    bounded "$PY" -m torch.distributed.run --nproc_per_node 2 "$WORK/smoke.py" "$WORK/p2" none
+    bounded "$PY" -m torch.distributed.run --nproc_per_node 2 "$WORK/smoke.py" "$WORK/p3" offload
   else
     echo "== part 4b skipped: fewer than 2 GPUs"
   fi
-else
-  echo "== part 4 skipped: vLLM does not import here"
-fi
-echo "== part 5: memory plan for the 32B preset"
-"$PY" -m support.memory_plan
+}
+
+part5() {
+  echo "== part 5: memory plan for the 32B preset"
+  bounded "$PY" -m support.memory_plan
+}
+
+# Limits in seconds, then the parts in the order asked for. A part runs in a subshell with -e, so its
+# first failing command ends that part and no other.
+declare -A LIMITS=([0]=120 [1]=180 [2]=180 [3]=240 [4]=300 [5]=60)
+SUMMARY=() FAILED=0
+for part in ${GPU_SMOKE_PARTS:-0 1 2 3 4 5}; do
+  if [ -z "${LIMITS[$part]:-}" ]; then echo "error: GPU_SMOKE_PARTS: no part $part (parts are 0-5)"; exit 2; fi
+  LIMIT=${LIMITS[$part]} started=$SECONDS
+  (set -e; "part$part")
+  status=$?
+  if [ "$status" = 0 ]; then result=ok; else result="FAILED (exit $status$([ "$status" = 124 ] && echo ', over its time limit'))"; FAILED=1; fi
+  SUMMARY+=("part $part: $result in $((SECONDS - started)) s")
+done
+echo "== summary$([ "$DRY" = 1 ] && echo ' (dry run on the CPU)')"
+printf '  %s\n' "${SUMMARY[@]}"
+if [ "$FAILED" = 1 ]; then echo "gpu_smoke: some parts failed"; exit 1; fi
 echo "gpu_smoke: all checks passed$([ "$DRY" = 1 ] && echo ' (dry run on the CPU)')"
