@@ -70,8 +70,8 @@ def shift_values(model, offset: float):
 
 
 def value_outputs(model, input_ids, attention_mask, position_ids) -> torch.Tensor:
-    """Scalar output at every position: [B, S] float32."""
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+    """Scalar output at every position: [B, S] float32. No KV cache: nothing generates after it."""
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     return out.logits.squeeze(-1).float()
 
 

@@ -50,7 +50,8 @@ def init_distributed(cpu_collectives: bool = False) -> DistInfo:
     else:
         device, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend)
+        # device_id: NCCL binds this rank's GPU now instead of guessing it from the global rank
+        dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
     _gloo_threads = "gloo" in dist.get_backend()  # cpu:gloo,cuda:nccl (--cpu-offload) runs gloo too
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
 

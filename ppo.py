@@ -202,29 +202,34 @@ def entropy_from_logits(logits, temperature=1.0):
     return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1)
 
 
-def token_logprobs_and_entropy(hidden, weight, targets, temperature=1.0, chunk_tokens=4096, with_entropy=True):
+def token_logprobs_and_entropy(hidden, weight, targets, temperature=1.0, chunk_tokens=4096, with_entropy=True,
+                               entropy_grad=True):
     """[B, T, 2]: log pi(y_t | s_t) and the entropy at each position, from the final hidden states
     [B, T, d] and the output embedding [V, d]: `response_logprobs` and `entropy_from_logits` of
     hidden @ weight.T, chunk_tokens positions at a time. Each chunk's float32 logits are reduced
     and dropped, and rebuilt in the backward pass (checkpoint): no [B T, V] tensor is ever held
-    (at V = 152k, 8k tokens of float32 logits are 5 GB). Entropy is 0 unless with_entropy."""
+    (at V = 152k, 8k tokens of float32 logits are 5 GB). Entropy is 0 unless with_entropy;
+    entropy_grad=False leaves it out of the graph (only logged: no softmax backward over [T, V])."""
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     flat_hidden, flat_targets = hidden.flatten(0, 1), targets.flatten()
     chunks = [
         torch.utils.checkpoint.checkpoint(_chunk_statistics, flat_hidden[i : i + chunk_tokens], weight,
                                           flat_targets[i : i + chunk_tokens], temperature, with_entropy,
-                                          use_reentrant=False)
+                                          entropy_grad, use_reentrant=False)
         for i in range(0, flat_hidden.shape[0], chunk_tokens)
     ]
     return torch.cat(chunks).view(*targets.shape, 2)
 
 
-def _chunk_statistics(hidden, weight, targets, temperature, with_entropy):
+def _chunk_statistics(hidden, weight, targets, temperature, with_entropy, entropy_grad):
     z = (hidden @ weight.T).float()  # the head's matmul in the model's dtype, as the logits are made
     if temperature != 1.0:
         z = z / temperature
     normalizer = torch.logsumexp(z, dim=-1)
     logprobs = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - normalizer
-    entropy = normalizer - (torch.softmax(z, dim=-1) * z).sum(-1) if with_entropy else torch.zeros_like(logprobs)
+    if not with_entropy:
+        return torch.stack([logprobs, torch.zeros_like(logprobs)], dim=-1)
+    with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
+        entropy = normalizer - (torch.softmax(z, dim=-1) * z).sum(-1)
     return torch.stack([logprobs, entropy], dim=-1)

@@ -53,14 +53,18 @@ def policy_forward(actor, batch, temperature: float, with_entropy: bool = False,
                    entropy_grad: bool = True):
     """log pi(y_t | s_t) for every response token (and the entropy), recomputed by the trained model.
     chunk_tokens: from the hidden states, that many positions at a time (ppo.token_logprobs_and_entropy).
-    entropy_grad=False: the entropy is only logged, so no graph keeps its [B, T, V] softmax."""
+    entropy_grad=False: the entropy is only logged, so no graph keeps its [B, T, V] softmax.
+    No KV cache is built: nothing generates after this forward (and a compiled layer would
+    recompile for each state of one)."""
     T = batch.response_ids.shape[1]
     # Only the outputs that predict response tokens are needed: the last T + 1 minus the final one.
+    inputs = batch.model_inputs() | {"logits_to_keep": T + 1, "use_cache": False}
     if chunk_tokens is not None:
-        with head_gives_token_statistics(actor, batch.response_ids, temperature, chunk_tokens, with_entropy):
-            statistics = actor(**batch.model_inputs(), logits_to_keep=T + 1).logits
+        with head_gives_token_statistics(actor, batch.response_ids, temperature, chunk_tokens, with_entropy,
+                                         entropy_grad):
+            statistics = actor(**inputs).logits
         return statistics[..., 0] * batch.response_mask, statistics[..., 1] if with_entropy else None
-    logits = actor(**batch.model_inputs(), logits_to_keep=T + 1).logits[:, :-1]
+    logits = actor(**inputs).logits[:, :-1]
     logprobs = response_logprobs(logits, batch.response_ids, temperature) * batch.response_mask
     with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
         entropy = entropy_from_logits(logits, temperature) if with_entropy else None
@@ -68,7 +72,7 @@ def policy_forward(actor, batch, temperature: float, with_entropy: bool = False,
 
 
 @contextlib.contextmanager
-def head_gives_token_statistics(actor, response_ids, temperature, chunk_tokens, with_entropy):
+def head_gives_token_statistics(actor, response_ids, temperature, chunk_tokens, with_entropy, entropy_grad):
     """Inside, the actor's output head returns [B, T, 2] (each response token's log-prob, the
     entropy) from the hidden states it is given, instead of logits. It runs inside the model's
     forward, where FSDP2 has gathered the head's weight (tied to the embedding) for it."""
@@ -78,7 +82,7 @@ def head_gives_token_statistics(actor, response_ids, temperature, chunk_tokens, 
 
     def statistics(hidden):  # hidden [B, T + 1, d]: the positions that predict response tokens, and the last
         return token_logprobs_and_entropy(hidden[:, :-1], head.weight, response_ids, temperature,
-                                          chunk_tokens, with_entropy)
+                                          chunk_tokens, with_entropy, entropy_grad)
 
     head.forward = statistics
     try:

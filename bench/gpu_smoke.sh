@@ -151,6 +151,8 @@ part3() {
   echo "-- and compiled decoder layers, half the layers recomputed"
   bounded "$PY" bench/mfu_bench.py "${MFU_FLAGS[@]}" --micro-batch-tokens 16384 --logprob-chunk-tokens 4096 \
     --compile-layers --checkpoint-fraction 0.5
+  echo "-- the same with micro-batches of one row (no padding: the causal flash path)"
+  bounded "$PY" bench/mfu_bench.py "${MFU_FLAGS[@]}" --logprob-chunk-tokens 4096 --compile-layers --checkpoint-fraction 0.5
 }
 
 part4() {

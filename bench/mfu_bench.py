@@ -117,7 +117,8 @@ def main(argv=None) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-7)
     batch, rows = ragged_batch(shape["vocab_size"], args.rows, prompt_tokens, response_tokens, info.device)
 
-    def bare():
+    def bare():  # in training mode, as update_model sets it (eval mode would skip the recompute)
+        model.train()
         optimizer.zero_grad(set_to_none=True)
         every_row = torch.arange(len(batch), device=batch.device)
         for _, micro in batch.micro_batches(every_row, cfg.micro_batch_size, cfg.micro_batch_tokens):

@@ -13,6 +13,7 @@ from support.checkpoints import CheckpointError
 from ppo import response_logprobs
 from ppo_update import assert_finite
 from rollout import HFRollout, decode_responses, left_pad
+from train import policy_forward
 
 
 @pytest.fixture(scope="module")
@@ -225,3 +226,23 @@ def test_without_left_padding_the_mask_is_dropped_and_real_tokens_keep_their_out
     real = batch.response_mask.bool()
     assert torch.allclose(causal[real], reference[real], atol=1e-6)
     assert engine.generate(prompts(tokenizer), max_new_tokens=4, seed=5).model_inputs()["attention_mask"] is not None
+
+
+def test_scoring_and_training_forwards_build_no_kv_cache(policy):
+    """Log-probs (whole logits or from hidden states) and values, in eval mode as the old
+    log-probs and values are computed: no KV cache is built (nothing generates after these
+    forwards; a compiled decoder layer would recompile for each state of one)."""
+    model, tokenizer, path = policy
+    batch = HFRollout(model, tokenizer).generate(prompts(tokenizer), max_new_tokens=6, seed=0)
+    critic = load_value_model(path)
+    caches = []
+    hooks = [m.base_model.register_forward_hook(lambda _m, _i, out: caches.append(out.past_key_values))
+             for m in (model, critic)]
+    try:
+        policy_forward(model.eval(), batch, 1.0)
+        policy_forward(model, batch, 1.0, with_entropy=True, chunk_tokens=5)
+        response_values(critic.eval(), batch)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert len(caches) == 3 and all(cache is None for cache in caches)

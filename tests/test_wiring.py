@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from support import task
 import train
@@ -79,7 +80,7 @@ class TokenValueCritic(torch.nn.Module):
         gen = torch.Generator().manual_seed(seed)
         self.table = torch.nn.Parameter(torch.randn(vocab_size, generator=gen))
 
-    def forward(self, input_ids, attention_mask, position_ids):
+    def forward(self, input_ids, attention_mask, position_ids, use_cache=False):
         return SimpleNamespace(logits=self.table[input_ids].unsqueeze(-1))
 
 
@@ -333,6 +334,39 @@ def test_the_entropy_is_logged_without_a_graph_unless_the_loss_uses_it(actor, sc
         grads[coef] = torch.autograd.grad(loss, weight)[0]
         assert metrics["entropy"].item() == pytest.approx(((tracked * mask).sum() / mask.sum()).item(), rel=1e-5)
     assert not torch.allclose(grads[0.0], grads[0.1])
+
+
+
+class _OpsSeen(TorchDispatchMode):
+    """The names of the aten operators run inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.add(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("chunk_tokens", [None, 7])
+def test_a_logged_entropy_costs_no_softmax_backward(actor, scripted_batch, chunk_tokens):
+    """--entropy-coef 0, from whole logits or from hidden states (--logprob-chunk-tokens): the
+    backward pass runs no softmax backward over [T, V] for the entropy, which is only logged; with a
+    coefficient it does, and both log the same entropy."""
+    mask = scripted_batch.response_mask
+    per_token = {"old_logprobs": train.policy_forward(actor, scripted_batch, 0.7)[0].detach(),
+                 "advantages": mask.clone()}
+    weight = actor.get_output_embeddings().weight
+    logged = {}
+    for coef in (0.0, 0.1):
+        cfg = actor_config(entropy_coef=coef, logprob_chunk_tokens=chunk_tokens)
+        loss, metrics = train.actor_loss(actor, scripted_batch, per_token, float(mask.sum()), cfg)
+        with _OpsSeen() as ops:
+            torch.autograd.grad(loss, weight)
+        assert ("_softmax_backward_data" in ops.seen) == bool(coef)
+        logged[coef] = metrics["entropy"].item()
+    assert logged[0.0] == pytest.approx(logged[0.1], rel=1e-6)
 
 
 # --- value pretraining (§3.2) ----------------------------------------------------------------
