@@ -31,7 +31,7 @@ Eq. (8). Also here: VAPO's length-adaptive lambda and GRPO's group-normalised ou
 import torch
 
 from support import gae_fast
-from support.masked import check_masked_inputs
+from support.masked import check_lambda_range, check_masked_inputs
 
 
 # --- the definition ------------------------------------------------------------------------------
@@ -100,11 +100,14 @@ def decoupled_gae(rewards, values, mask, gamma=1.0, lam_actor=0.95, lam_critic=1
     """Decoupled GAE (§3.3): advantages A(lam_actor), critic targets R = A(lam_critic) + V.
     lam_actor/lam_critic: float or float tensor [B]. Returns (advantages, returns), 0 on padding."""
     batch = _check_shapes(rewards, values, mask, gamma)
-    lam_actor, lam_critic = _lam(lam_actor, batch, "lam_actor"), _lam(lam_critic, batch, "lam_critic")
+    # The GPU kernel checks a per-response lambda's range as it reads it: no synchronisation here.
+    kernel = gae_fast.kernel_applies(rewards, values, mask)
+    lam_actor, lam_critic = (_lam(lam, batch, name, check_range=not kernel)
+                             for lam, name in ((lam_actor, "lam_actor"), (lam_critic, "lam_critic")))
+    if kernel:
+        return gae_fast.kernel_gae(rewards, values, mask, gamma, lam_actor, lam_critic)
     if gae_fast.compiled_loop_applies(rewards, values, mask):
         return gae_fast.compiled_gae(rewards, values, mask, gamma, lam_actor, lam_critic)
-    if gae_fast.kernel_applies(rewards, values, mask):
-        return gae_fast.kernel_gae(rewards, values, mask, gamma, lam_actor, lam_critic)
     mask = _check_contents(rewards, values, mask)
     # One scratch buffer holds the critic's scan input, then the actor's: at long-CoT sizes a
     # fresh [B, T] buffer cost about as much as the arithmetic on the CPU. Each input
@@ -163,13 +166,14 @@ def _check_contents(rewards, values, mask):
     return mask.to(values.dtype)
 
 
-def _lam(lam, batch, name):
-    """Validated lambda: a Python float, or a float64 [B] tensor for per-response lambdas."""
+def _lam(lam, batch, name, check_range=True):
+    """Validated lambda: a Python float, or a float64 [B] tensor for per-response lambdas, whose
+    range is left to the caller with check_range=False (the GPU kernel checks it)."""
     if isinstance(lam, torch.Tensor):
         if lam.shape != (batch,) or not lam.is_floating_point():
             raise ValueError(f"{name} tensor must be float with shape [{batch}], got {lam.dtype} {tuple(lam.shape)}")
-        if not ((lam >= 0) & (lam <= 1)).all():  # also catches NaN
-            raise ValueError(f"{name} must lie in [0, 1]")
+        if check_range:
+            check_lambda_range(lam, name)
         return lam.detach().double()
     if not 0 <= lam <= 1:
         raise ValueError(f"{name} must be in [0, 1], got {lam}")

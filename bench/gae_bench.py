@@ -137,9 +137,10 @@ def gpu_main(repeats, device="cuda", shapes=GPU_SHAPES):
         cpu = make_batch(*shape)
         rewards, values, mask = (x.to(device) for x in cpu)
         lam_rows = torch.linspace(0.9, 1.0, shape[0], dtype=torch.float64)
+        lam_on_device = lam_rows.to(device)  # where train.py makes them, from the lengths on the device
         runs = {
             "scalar": (lambda: gae.decoupled_gae(rewards, values, mask, 1.0, 0.95, 1.0), 0.95),
-            "per-row": (lambda: gae.decoupled_gae(rewards, values, mask, 1.0, lam_rows.to(device), 1.0), lam_rows),
+            "per-row": (lambda: gae.decoupled_gae(rewards, values, mask, 1.0, lam_on_device, 1.0), lam_rows),
         }
         times = {}
         for name, (fn, lam) in runs.items():

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from support.masked import check_masked_inputs
+from support.masked import check_lambda_range, check_masked_inputs
 
 # numba's default OpenMP layer shares torch's libgomp, and its first parallel call sets the process's
 # OpenMP thread count to every core (omp_set_num_threads): every later torch op then ran on that many
@@ -62,10 +62,14 @@ def compiled_gae(rewards, values, mask, gamma, lam_actor, lam_critic):
     return advantages, returns
 
 
-def _reject(rewards, values, mask):
+def _reject(rewards, values, mask, **lambdas):
     """After a fast path flagged a bad input: the full check names the culprit."""
+    for name, lam in lambdas.items():
+        if isinstance(lam, torch.Tensor):
+            check_lambda_range(lam, name)
     check_masked_inputs(mask, right_padded=True, rewards=rewards, values=values)
-    raise ValueError("rewards/values hold NaN or inf, or mask is not ones-then-zeros in every row")
+    raise ValueError("rewards/values hold NaN or inf, mask is not ones-then-zeros in every row, "
+                     "or a lambda is outside [0, 1]")
 
 
 def _compile(fn, parallel=False):
@@ -137,11 +141,12 @@ def kernel_applies(rewards, values, mask):
 
 
 def kernel_gae(rewards, values, mask, gamma, lam_actor, lam_critic):
-    """gae_triton.lambda_returns; on a bad input the full check names the argument."""
+    """gae_triton.lambda_returns; on a bad input (per-response lambdas included: the kernel checks
+    their range) the full check names the argument."""
     lams = [lam if isinstance(lam, float) else lam.to(values.device) for lam in (lam_actor, lam_critic)]
     result = triton_kernel().lambda_returns(rewards.detach(), values.detach(), mask, gamma, *lams)
     if result is None:
-        _reject(rewards, values, mask)
+        _reject(rewards, values, mask, lam_actor=lams[0], lam_critic=lams[1])
     return result
 
 

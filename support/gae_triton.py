@@ -7,8 +7,9 @@ with R = 0 on padding. One program per response walks it from right to left in b
 BLOCK tokens; inside a block, read from its last token to its first, the recursion
 y_t = x_t + d y_{t+1} is a forward associative scan over the affine maps y -> x_t + d y (composed
 as functions), and the value at the first token of the block to the right is carried in. The kernel checks its inputs as it
-reads them (finite rewards and values; a mask of ones then zeros) and flags a bad row, so that
-a call costs one launch and one synchronisation, not a chain of small checking kernels.
+reads them (finite rewards and values; a mask of ones then zeros; a per-response lambda in
+[0, 1]) and flags a bad row, so that a call costs one launch and one synchronisation, not a chain
+of small checking kernels.
 """
 
 import struct
@@ -33,12 +34,15 @@ def _lambda_returns_kernel(rewards, values, mask, advantages, returns, ok, lengt
     row = tl.program_id(0)
     # Python floats would arrive as float32: they come as the bits of their float64 instead.
     gamma = gamma_bits.to(tl.int64).to(tl.float64, bitcast=True)
+    bad = row * 0
     if PER_ROW_ACTOR:
         lam_actor = tl.load(lam_actor_ptr + row)
+        bad += (~((lam_actor >= 0.0) & (lam_actor <= 1.0))).to(tl.int32)  # NaN is outside too
     else:
         lam_actor = lam_actor_bits.to(tl.int64).to(tl.float64, bitcast=True)
     if PER_ROW_CRITIC:
         lam_critic = tl.load(lam_critic_ptr + row)
+        bad += (~((lam_critic >= 0.0) & (lam_critic <= 1.0))).to(tl.int32)
     else:
         lam_critic = lam_critic_bits.to(tl.int64).to(tl.float64, bitcast=True)
     decay_actor, decay_critic = gamma * lam_actor, gamma * lam_critic
@@ -48,7 +52,6 @@ def _lambda_returns_kernel(rewards, values, mask, advantages, returns, ok, lengt
     offsets = tl.arange(0, BLOCK)
     carry_actor = gamma * 0.0  # R at the first token of the block to the right (0 past T)
     carry_critic = gamma * 0.0
-    bad = row * 0
     n_blocks = tl.cdiv(length, BLOCK)
     for k in range(n_blocks):  # blocks from the last; inside each, tokens from its last (a forward scan)
         t = (n_blocks - k) * BLOCK - 1 - offsets
@@ -82,7 +85,8 @@ def _lambda_returns_kernel(rewards, values, mask, advantages, returns, ok, lengt
 def lambda_returns(rewards, values, mask, gamma, lam_actor, lam_critic):
     """(advantages A(lam_actor), returns R(lam_critic)), [B, T] in the values' dtype and 0 on
     padding; None when an input is bad (NaN/inf, or a mask that is not ones-then-zeros), for the
-    caller's full check to name it. lam_*: float, or a float64 tensor [B] on the inputs' device.
+    caller's full check to name it; likewise a per-response lambda outside [0, 1]. lam_*: float, or
+    a float64 tensor [B] on the inputs' device.
     Inputs: one float dtype, on one device (CUDA, or the CPU under TRITON_INTERPRET=1)."""
     batch, length = values.shape
     rewards, values = rewards.contiguous(), values.contiguous()

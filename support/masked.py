@@ -50,6 +50,12 @@ def check_masked_inputs(mask, right_padded=False, contents=True, **tensors):
             raise ValueError("mask must be right-padded: ones then zeros in every row")
 
 
+def check_lambda_range(lam, name):
+    """A per-response lambda tensor [B] in [0, 1] (NaN is not)."""
+    if not ((lam >= 0) & (lam <= 1)).all():
+        raise ValueError(f"{name} must lie in [0, 1]")
+
+
 def masked_sum(x, mask, dim=None):
     """Sum of x over positions where mask is 1."""
     return (x * mask).sum() if dim is None else (x * mask).sum(dim)

@@ -13,6 +13,8 @@ def test_kernel_in_the_interpreter_equals_the_compiled_loop_and_rejects_what_it_
     pytest.importorskip("triton", reason="Triton is not installed (it comes with CUDA builds of torch)")
     r = run_torchrun("gae_triton_worker.py", str(tmp_path), nproc=0)[0]
     assert len(r["equal"]) == 18 and max(r["equal"].values()) <= 1e-6, r["equal"]  # T crosses blocks of 16
-    assert r["rejected"] == {"good": False, "nan": True, "hole": True, "half": True}  # None for gae.py to name
+    assert r["rejected"] == {"good": False, "nan": True, "hole": True, "half": True,  # None for gae.py to name
+                             "lam_above": [True, True], "lam_nan": [True, True], "lam_in_range": False}
     assert r["dispatch_calls"] == 1 and r["dispatch_error"] <= 1e-5
     assert r["bad_input_message"] == "values contains NaN or inf"
+    assert r["bad_lambda_message"] == "lam_critic must lie in [0, 1]" and r["dispatch_calls_with_bad_lambda"] == 3

@@ -37,6 +37,12 @@ holed[0, 0], half[0, -1] = 0.0, 0.5
 for name, (v, m) in {"good": (values, mask), "nan": (nan, mask), "hole": (values, holed),
                      "half": (values, half)}.items():
     result["rejected"][name] = kernel.lambda_returns(rewards, v, m, 1.0, 0.9, 1.0) is None
+in_range = torch.tensor([0.0, 0.5, 1.0], dtype=torch.float64)
+for name, lam in {"lam_above": torch.tensor([0.5, 1.5, 0.5]), "lam_nan": torch.tensor([0.5, 0.5, float("nan")])}.items():
+    lam = lam.double()
+    result["rejected"][name] = (kernel.lambda_returns(rewards, values, mask, 1.0, lam, 1.0) is None,
+                                kernel.lambda_returns(rewards, values, mask, 1.0, 0.9, lam) is None)
+result["rejected"]["lam_in_range"] = kernel.lambda_returns(rewards, values, mask, 1.0, in_range, in_range) is None
 
 # gae.py's dispatch, CPU tensors standing in for CUDA ones
 gae_fast.kernel_applies, gae_fast.compiled_loop_applies = gae_fast.compiled_loop_applies, lambda *tensors: False
@@ -51,4 +57,10 @@ try:
     result["bad_input_message"] = None
 except ValueError as err:
     result["bad_input_message"] = str(err)
+try:  # the kernel alone checks a per-response lambda here; the message still names it
+    gae.decoupled_gae(rewards, values, mask, 1.0, 0.9, torch.tensor([0.5, 1.5, 0.5]))
+    result["bad_lambda_message"] = None
+except ValueError as err:
+    result["bad_lambda_message"] = str(err)
+result["dispatch_calls_with_bad_lambda"] = len(calls)
 write_result(sys.argv[1], 0, result)
