@@ -43,7 +43,7 @@ def bare_step(model, optimizer, batch, micro_batch_size):
     T = batch.response_ids.shape[1]
     for rows in torch.arange(len(batch)).split(micro_batch_size):
         micro = batch.select(rows)
-        logits = model(**micro.model_inputs(), logits_to_keep=T + 1).logits[:, :-1]
+        logits = model(**micro.model_inputs(), logits_to_keep=T + 1, use_cache=False).logits[:, :-1]
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), micro.response_ids.flatten())
         loss.backward()
     optimizer.step()

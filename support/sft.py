@@ -114,7 +114,7 @@ def sft_loss_sum(model, examples: list[tuple[list, list]], pad_id: int) -> torch
     ids = _pad([e[0] for e in examples], pad_id)
     labels = _pad([e[1] for e in examples], -100)
     mask = _pad([[1] * len(e[0]) for e in examples], 0)
-    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
+    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1]  # no KV cache to build
     target = labels[:, 1:]
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1),
                            ignore_index=-100, reduction="sum")
