@@ -50,8 +50,7 @@ def init_distributed(cpu_collectives: bool = False) -> DistInfo:
     else:
         device, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
-        # device_id: NCCL binds this rank's GPU now instead of guessing it from the global rank
-        dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(backend=backend)
     _gloo_threads = "gloo" in dist.get_backend()  # cpu:gloo,cuda:nccl (--cpu-offload) runs gloo too
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
 
@@ -261,6 +260,9 @@ def local_device() -> torch.device:
 
 
 def barrier() -> None:
-    """Wait for every rank (a no-op in one process)."""
+    """Wait for every rank (a no-op in one process). Under NCCL on this rank's GPU, named rather than
+    guessed from the global rank. (Not by binding it at init_process_group's device_id: then every
+    later new_group is an NCCL split that ranks outside a gloo subgroup join alone, pytorch#145376.)"""
     if distributed():
-        dist.barrier()
+        nccl = torch.cuda.is_available() and "nccl" in dist.get_backend()
+        dist.barrier(device_ids=[torch.cuda.current_device()] if nccl else None)

@@ -78,7 +78,7 @@ def update_model(cfg, model, optimizer, batch, per_token, loss_fn, seed, prefix)
     # Freed now, not at the next step's first mini-batch: the other model's update, the rollout and
     # vLLM's KV cache would otherwise share the GPU with this model's gradients (memory_plan counts none).
     optimizer.zero_grad(set_to_none=True)
-    model.eval()  # as loaded: the no-grad forwards and generation keep their KV cache
+    model.eval()  # as loaded, for the no-grad forwards and the generation that follow
     totals = reduce_metrics(totals, sums=totals.keys()) | {"grad_norm": sum(grad_norms)}
     return {f"{prefix}/{name}": value / len(grad_norms) for name, value in totals.items()}
 

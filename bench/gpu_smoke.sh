@@ -119,7 +119,9 @@ EOF
 }
 
 # Each command of a part is stopped at the part's limit (LIMIT, seconds): a hang costs one part.
-bounded() { timeout --kill-after 20 "$LIMIT" "$@"; }
+# --foreground: Ctrl-C reaches the command; SIGKILL only 45 s after SIGTERM, past torchrun's 30 s
+# grace for its workers (they run in sessions of their own, out of timeout's reach).
+bounded() { timeout --foreground --kill-after 45 "$LIMIT" "$@"; }
 
 part0() {
   echo "== part 0: decoupled GAE on the GPU against the CPU loop (max difference <= 1e-5), and the CPU loop"
@@ -151,7 +153,7 @@ part3() {
   echo "-- and compiled decoder layers, half the layers recomputed"
   bounded "$PY" bench/mfu_bench.py "${MFU_FLAGS[@]}" --micro-batch-tokens 16384 --logprob-chunk-tokens 4096 \
     --compile-layers --checkpoint-fraction 0.5
-  echo "-- the same with micro-batches of one row (no padding: the causal flash path)"
+  echo "-- the same with micro-batches of one row (no padding)"
   bounded "$PY" bench/mfu_bench.py "${MFU_FLAGS[@]}" --logprob-chunk-tokens 4096 --compile-layers --checkpoint-fraction 0.5
 }
 
@@ -177,13 +179,18 @@ part5() {
 # Limits in seconds, then the parts in the order asked for. A part runs in a subshell with -e, so its
 # first failing command ends that part and no other.
 declare -A LIMITS=([0]=120 [1]=180 [2]=180 [3]=240 [4]=300 [5]=60)
-SUMMARY=() FAILED=0
-for part in ${GPU_SMOKE_PARTS:-0 1 2 3 4 5}; do
+PARTS=${GPU_SMOKE_PARTS:-0 1 2 3 4 5}
+for part in $PARTS; do  # every name checked before any GPU time is spent
   if [ -z "${LIMITS[$part]:-}" ]; then echo "error: GPU_SMOKE_PARTS: no part $part (parts are 0-5)"; exit 2; fi
+done
+SUMMARY=() FAILED=0
+for part in $PARTS; do
   LIMIT=${LIMITS[$part]} started=$SECONDS
   (set -e; "part$part")
   status=$?
-  if [ "$status" = 0 ]; then result=ok; else result="FAILED (exit $status$([ "$status" = 124 ] && echo ', over its time limit'))"; FAILED=1; fi
+  # timeout exits 124, or 137 where it had to SIGKILL; a 137 within the limit is another kill (memory)
+  over=$([ "$status" = 124 ] || { [ "$status" = 137 ] && [ $((SECONDS - started)) -ge "$LIMIT" ]; } && echo ', over its time limit')
+  if [ "$status" = 0 ]; then result=ok; else result="FAILED (exit $status$over)"; FAILED=1; fi
   SUMMARY+=("part $part: $result in $((SECONDS - started)) s")
 done
 echo "== summary$([ "$DRY" = 1 ] && echo ' (dry run on the CPU)')"

@@ -338,21 +338,22 @@ def test_the_entropy_is_logged_without_a_graph_unless_the_loss_uses_it(actor, sc
 
 
 class _OpsSeen(TorchDispatchMode):
-    """The names of the aten operators run inside it."""
+    """The aten operators run inside it, each with the last dimension of its first argument."""
 
     def __init__(self):
         super().__init__()
         self.seen = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.seen.add(func.overloadpacket.__name__)
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        self.seen.add((func.overloadpacket.__name__, first.shape[-1] if first is not None and first.dim() else None))
         return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("chunk_tokens", [None, 7])
 def test_a_logged_entropy_costs_no_softmax_backward(actor, scripted_batch, chunk_tokens):
     """--entropy-coef 0, from whole logits or from hidden states (--logprob-chunk-tokens): the
-    backward pass runs no softmax backward over [T, V] for the entropy, which is only logged; with a
+    backward pass runs no softmax backward over the vocabulary for the entropy, which is only logged; with a
     coefficient it does, and both log the same entropy."""
     mask = scripted_batch.response_mask
     per_token = {"old_logprobs": train.policy_forward(actor, scripted_batch, 0.7)[0].detach(),
@@ -364,7 +365,8 @@ def test_a_logged_entropy_costs_no_softmax_backward(actor, scripted_batch, chunk
         loss, metrics = train.actor_loss(actor, scripted_batch, per_token, float(mask.sum()), cfg)
         with _OpsSeen() as ops:
             torch.autograd.grad(loss, weight)
-        assert ("_softmax_backward_data" in ops.seen) == bool(coef)
+        vocab = weight.shape[0]  # an attention path's own softmax backward is over keys, not the vocabulary
+        assert (("_softmax_backward_data", vocab) in ops.seen) == bool(coef)
         logged[coef] = metrics["entropy"].item()
     assert logged[0.0] == pytest.approx(logged[0.1], rel=1e-6)
 
