@@ -146,8 +146,8 @@ part2() {
 
 part3() {
   echo "== part 3: MFU of the PPO actor update (Qwen2.5-1.5B shape, 8 rows of 1k + 5.4k-7.2k tokens)"
-  echo "-- levers off (micro-batches of one row, whole logits, every layer recomputed)"
-  bounded "$PY" bench/mfu_bench.py "${MFU_FLAGS[@]}"
+  echo "-- levers off (micro-batches of one row, whole logits, every layer recomputed), and its profile"
+  bounded "$PY" bench/mfu_bench.py "${MFU_FLAGS[@]}" --profile
   echo "-- token budget + log-probs from hidden states"
   bounded "$PY" bench/mfu_bench.py "${MFU_FLAGS[@]}" --micro-batch-tokens 16384 --logprob-chunk-tokens 4096
   echo "-- and compiled decoder layers, half the layers recomputed"

@@ -15,7 +15,8 @@ The last line:
     mfu ppo=<x> bare=<y> ratio=<ppo/bare> peak_gib=<z>
 
 The throughput levers are train.py's flags: --micro-batch-tokens, --logprob-chunk-tokens,
---compile-layers, --checkpoint-fraction. `--dry-run` runs the same code on the CPU with a tiny
+--compile-layers, --checkpoint-fraction. --profile prints the operators of one more update by the
+time they take (on the GPU, kernel time). `--dry-run` runs the same code on the CPU with a tiny
 shape, in float32 (the MFU it prints is of no meaning there).
 
     python bench/mfu_bench.py --micro-batch-tokens 32768 --logprob-chunk-tokens 4096 --compile-layers
@@ -59,6 +60,8 @@ def parse_args(argv=None):
     parser.add_argument("--checkpoint-fraction", type=float, default=1.0, help="share of layers recomputed")
     parser.add_argument("--repeats", type=int, default=2, help="timed updates of each kind, after one warm-up")
     parser.add_argument("--dry-run", action="store_true", help="tiny shape on the CPU: checks this script runs")
+    parser.add_argument("--profile", action="store_true",
+                        help="then one more PPO update under torch.profiler: the kernels that take the most time")
     return parser.parse_args(argv)
 
 
@@ -145,6 +148,14 @@ def main(argv=None) -> dict:
             seconds = timed(fn)
             if i > 0:  # the first round compiles and warms the allocator
                 times[name].append(seconds)
+    if args.profile:  # where the update's time goes, for the next lever
+        cuda = info.device.type == "cuda"
+        activities = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * cuda
+        with torch.profiler.profile(activities=activities) as prof:
+            timed(ppo)
+        if info.rank == 0:
+            print(prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
+                                            row_limit=20), flush=True)
     bare_s, ppo_s = statistics.median(times["bare"]), statistics.median(times["ppo"])
     peak = torch.cuda.max_memory_allocated() / 2**30 if info.device.type == "cuda" else 0.0
     result = {"ppo": flops / ppo_s / PEAK_FLOPS, "bare": flops / bare_s / PEAK_FLOPS, "ratio": ppo_s / bare_s,

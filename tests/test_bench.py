@@ -18,8 +18,9 @@ import mfu_bench  # noqa: E402
 
 def test_mfu_bench_dry_run_runs_the_update_with_every_lever_and_ends_with_its_line(capsys):
     result = mfu_bench.main(["--dry-run", "--rows", "4", "--repeats", "1", "--micro-batch-tokens", "200",
-                             "--logprob-chunk-tokens", "64", "--checkpoint-fraction", "0.5"])
+                             "--logprob-chunk-tokens", "64", "--checkpoint-fraction", "0.5", "--profile"])
     out = capsys.readouterr().out.strip().splitlines()
+    assert any(line.startswith("Self CPU time total") for line in out)  # --profile's table
     assert "in 2 micro-batches" in out[-2]  # the token budget, not one row each
     assert re.fullmatch(r"mfu ppo=\d+\.\d{3} bare=\d+\.\d{3} ratio=\d+\.\d{2} peak_gib=\d+\.\d", out[-1])
     assert result["ratio"] > 0 and result["ppo"] > 0
