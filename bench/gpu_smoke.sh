@@ -162,7 +162,8 @@ part4() {
   write_smoke_py
   echo "== part 4: vLLM on one GPU, single process"
   CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} bounded "$PY" "$WORK/smoke.py" "$WORK/p1" none
-  if [ "$("$PY" -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+  gpus=$(bounded "$PY" -c 'import torch; print(torch.cuda.device_count())')  # a failure ends the part
+  if [ "$gpus" -ge 2 ]; then
     echo "== part 4b: torchrun on 2 GPUs, FSDP2 + tensor parallel 2, with and without CPU offload"
     bounded "$PY" -m torch.distributed.run --nproc_per_node 2 "$WORK/smoke.py" "$WORK/p2" none
     bounded "$PY" -m torch.distributed.run --nproc_per_node 2 "$WORK/smoke.py" "$WORK/p3" offload
