@@ -45,12 +45,13 @@ EOF
 ) || exit 1
 if [ "$DRY" = 1 ]; then
   echo "== DRY RUN on the CPU: tiny shapes, no GPU figures"
-  GPU_FLAGS=() ; MFU_FLAGS=(--dry-run --rows 4 --repeats 1) ; GAE_FLAGS=(--dry-run) ; HAVE_VLLM=0
+  GPU_FLAGS=(--no-mixed-precision) ; MFU_FLAGS=(--dry-run --rows 4 --repeats 1) ; GAE_FLAGS=(--device cuda --dry-run) ; HAVE_VLLM=0
   PIPELINE=(--sft-steps 4 --task-train-size 64 --task-eval-size 4 --prompts-per-step 4 --samples-per-prompt 2
             --max-new-tokens 24 --micro-batch-size 3 --num-minibatches 2 --eval-samples 2 --value-pretrain-steps 1 --steps 2)
 else
   nvidia-smi --query-gpu=name,memory.total --format=csv
-  GPU_FLAGS=(--mixed-precision) ; MFU_FLAGS=() ; GAE_FLAGS=()
+  # never empty: "${A[@]}" of an empty array is an unbound variable under set -u before bash 4.4
+  GPU_FLAGS=(--mixed-precision) ; MFU_FLAGS=(--repeats 2) ; GAE_FLAGS=(--device cuda)
   PIPELINE=(--sft-steps 100 --value-pretrain-steps 3 --steps 3)
 fi
 "$PY" -c 'import torch, transformers, numba; print(f"torch {torch.__version__} (CUDA: {torch.cuda.is_available()}), transformers {transformers.__version__}, numba {numba.__version__}")'
@@ -125,7 +126,7 @@ bounded() { timeout --foreground --kill-after 45 "$LIMIT" "$@"; }
 
 part0() {
   echo "== part 0: decoupled GAE on the GPU against the CPU loop (max difference <= 1e-5), and the CPU loop"
-  bounded "$PY" bench/gae_bench.py --device cuda "${GAE_FLAGS[@]}"
+  bounded "$PY" bench/gae_bench.py "${GAE_FLAGS[@]}"
   bounded "$PY" bench/gae_bench.py --threads "$(nproc)" --repeats 10 | tail -5
 }
 
