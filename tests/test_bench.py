@@ -1,5 +1,5 @@
 """The benchmarks' own code, run on the CPU: bench/mfu_bench.py's dry run and its FLOP count, and
-bench/rollout_bench.py's profile."""
+bench/rollout_bench.py's profile, and bench/gpu_smoke.sh's check of its part names."""
 
 import os
 import re
@@ -114,3 +114,13 @@ def test_operator_step_refuses_a_model_whose_mlp_is_not_silu():
     prompt = torch.zeros(1, 2, dtype=torch.long)
     with pytest.raises(ValueError, match="gelu"):
         decode_step_bench.OperatorStep(model, Decoder(model, prompt, torch.ones_like(prompt), 1))
+
+
+def test_gpu_smoke_refuses_an_unknown_part_before_running_any():
+    """GPU time is scarce: a typo in GPU_SMOKE_PARTS stops the script before part 5, listed first, runs."""
+    env = dict(os.environ, GPU_SMOKE_PARTS="5 4b", GPU_SMOKE_DRY_RUN="1", PYTHON=sys.executable)
+    done = subprocess.run(["bash", str(ROOT / "bench" / "gpu_smoke.sh")], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 2
+    assert "error: GPU_SMOKE_PARTS: no part 4b (parts are 0-5)" in done.stdout
+    assert "== part 5" not in done.stdout and "summary" not in done.stdout
