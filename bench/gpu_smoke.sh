@@ -8,11 +8,14 @@
 #      against its copy bound; the CPU loop's rows in parallel, timed with all cores;
 #   1. the tiny pipeline (train.py, every stage) in one process with --rollout hf, bf16 and
 #      activation checkpointing (FSDP2 over a group of one rank);
-#   2. the same under torchrun --nproc_per_node 1, with the throughput levers on;
+#   2. the same under torchrun --nproc_per_node 1, with the default rollout (the fast HF path) and
+#      the throughput levers on;
 #   3. bench/mfu_bench.py: the PPO actor update of a Qwen2.5-1.5B shape, levers off, then on;
 #   4. only where vLLM imports: vLLM on the GPU (bf16, sleep mode), weight sync, FSDP2 with CPU
 #      offload (two GPUs: tensor parallel 2 under torchrun);
-#   5. the memory plan of the 32B preset.
+#   5. the memory plan of the 32B preset;
+#   6. bench/rollout_bench.py on the GPU: `generate` against the fast HF path (bf16, pi_SFT's and a
+#      mid shape, 64 x 600 tokens).
 # GPU time is scarce, so one failed part does not stop the others: each part runs on its own, each
 # command in it bounded by the part's time limit, and a summary of every part's result and seconds
 # ends the output (exit status 1 if any part failed). GPU_SMOKE_PARTS picks parts and their order.
@@ -46,12 +49,14 @@ EOF
 if [ "$DRY" = 1 ]; then
   echo "== DRY RUN on the CPU: tiny shapes, no GPU figures"
   GPU_FLAGS=(--no-mixed-precision) ; MFU_FLAGS=(--dry-run --rows 4 --repeats 1) ; GAE_FLAGS=(--device cuda --dry-run) ; HAVE_VLLM=0
+  ROLLOUT_FLAGS=(--models tiny --prompts 4 --new-tokens 8 --repeats 1)
   PIPELINE=(--sft-steps 4 --task-train-size 64 --task-eval-size 4 --prompts-per-step 4 --samples-per-prompt 2
             --max-new-tokens 24 --micro-batch-size 3 --num-minibatches 2 --eval-samples 2 --value-pretrain-steps 1 --steps 2)
 else
   nvidia-smi --query-gpu=name,memory.total --format=csv
   # never empty: "${A[@]}" of an empty array is an unbound variable under set -u before bash 4.4
   GPU_FLAGS=(--mixed-precision) ; MFU_FLAGS=(--repeats 2) ; GAE_FLAGS=(--device cuda)
+  ROLLOUT_FLAGS=(--device cuda --models sft mid --no-eos --new-tokens 600 --repeats 2)
   PIPELINE=(--sft-steps 100 --value-pretrain-steps 3 --steps 3)
 fi
 "$PY" -c 'import torch, transformers, numba; print(f"torch {torch.__version__} (CUDA: {torch.cuda.is_available()}), transformers {transformers.__version__}, numba {numba.__version__}")'
@@ -138,9 +143,9 @@ part1() {
 }
 
 part2() {
-  echo "== part 2: the same under torchrun (one rank), with the throughput levers"
+  echo "== part 2: the same under torchrun (one rank), with the default rollout (hf-fast) and the throughput levers"
   bounded "$PY" -m torch.distributed.run --nproc_per_node 1 train.py --out-dir "$WORK/runs" --run-name torchrun \
-    --rollout hf "${PIPELINE[@]}" "${GPU_FLAGS[@]}" --activation-checkpointing --checkpoint-fraction 0.5 \
+    "${PIPELINE[@]}" "${GPU_FLAGS[@]}" --activation-checkpointing --checkpoint-fraction 0.5 \
     --micro-batch-tokens 2048 --logprob-chunk-tokens 256
   test -f "$WORK/runs/torchrun/summary.json"
 }
@@ -178,12 +183,17 @@ part5() {
   bounded "$PY" -m support.memory_plan
 }
 
+part6() {
+  echo "== part 6: sampling on the GPU, Hugging Face generate against the fast HF path (bf16)"
+  bounded "$PY" bench/rollout_bench.py "${ROLLOUT_FLAGS[@]}" --backends hf hf-fast
+}
+
 # Limits in seconds, then the parts in the order asked for. A part runs in a subshell with -e, so its
 # first failing command ends that part and no other.
-declare -A LIMITS=([0]=120 [1]=180 [2]=180 [3]=240 [4]=300 [5]=60)
-PARTS=${GPU_SMOKE_PARTS:-0 1 2 3 4 5}
+declare -A LIMITS=([0]=120 [1]=180 [2]=180 [3]=240 [4]=300 [5]=60 [6]=180)
+PARTS=${GPU_SMOKE_PARTS:-0 1 2 3 4 5 6}
 for part in $PARTS; do  # every name checked before any GPU time is spent
-  if [ -z "${LIMITS[$part]:-}" ]; then echo "error: GPU_SMOKE_PARTS: no part $part (parts are 0-5)"; exit 2; fi
+  if [ -z "${LIMITS[$part]:-}" ]; then echo "error: GPU_SMOKE_PARTS: no part $part (parts are 0-6)"; exit 2; fi
 done
 SUMMARY=() FAILED=0
 for part in $PARTS; do

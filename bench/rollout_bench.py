@@ -6,6 +6,7 @@ Face `generate` (`HFRollout`) and vLLM (`VLLMRollout`), in one run.
     python bench/rollout_bench.py --models tiny --backends hf --new-tokens 600 --profile   # where HF's time goes
     python bench/rollout_bench.py --checkpoint runs/long/_shared/sft-long --task-length long --new-tokens 600
     python bench/rollout_bench.py --models sft --backends hf hf-fast --no-eos --new-tokens 600   # 64 x 600 exactly
+    python bench/rollout_bench.py --device cuda --models sft mid --backends hf hf-fast --no-eos --new-tokens 600
 
 Random weights end a response at a random EOS within tens of tokens; --checkpoint times a trained
 pi_SFT instead (the long task's: responses of ~500 tokens), on its task's prompts. --no-eos times
@@ -40,7 +41,12 @@ layers x 2 x kv_heads x head_dim x 4 bytes (fp32) for each of the sum_i (i + 1) 
 the cache outgrows the CPU's caches (64 rows x 600 positions of the tiny model: ~60 MB) those reads
 come from DRAM; their bytes over the machine's copy bandwidth (a 256 MB `copy_`, reads plus writes,
 fastest of 3, measured here) is the "mem s" column: a second floor, which an engine that keeps the
-K/V in fp32 cannot beat however few operators it runs. The last line:
+K/V in fp32 cannot beat however few operators it runs.
+
+--device cuda runs the Hugging Face backends on the GPU in bf16, the precision a mixed-precision
+run samples in; the matmul rate and copy bandwidth are then the GPU's (in bf16, and with the GPU
+synchronised around every timing), the K/V counted at 2 bytes. "cpu s" stays the host's CPU time:
+on a GPU, small models are bound by it (kernel launches), not by either floor. The last line:
     rollout new_tokens_per_s=<a> hf_generate_tokens_per_s=<b> speedup=<a/b> floor_fraction=<f>
 """
 
@@ -63,7 +69,15 @@ MODELS = {  # head_dim 64 throughout: vLLM's CPU attention needs it
 HF_BACKENDS = ("hf", "hf-fast")  # these share a child process and take turns
 
 
-def matmul_flops_per_s(config, rows: int) -> float:
+def synchronize(device: str) -> None:
+    """Wait for the GPU's queued work, so that a timing covers it (nothing to wait for on CPU)."""
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def matmul_flops_per_s(config, rows: int, device: str = "cpu", dtype=None) -> float:
     """The machine's matmul rate on this model's projections (and head) at `rows` rows (module docstring)."""
     import torch
     import torch.nn.functional as F
@@ -73,13 +87,15 @@ def matmul_flops_per_s(config, rows: int) -> float:
     shapes = [(d, d), (d, kv), (d, kv), (d, d), (d, ff), (d, ff), (ff, d), (d, vocab)]  # (in, out)
     flops = seconds = 0.0
     for n_in, n_out in shapes:
-        x, w = torch.randn(rows, n_in), torch.randn(n_out, n_in)
+        x, w = torch.randn(rows, n_in, device=device, dtype=dtype), torch.randn(n_out, n_in, device=device, dtype=dtype)
         F.linear(x, w)
         timings = []
         for _ in range(3):
+            synchronize(device)
             start = time.perf_counter()
             for _ in range(50):
                 F.linear(x, w)
+            synchronize(device)
             timings.append((time.perf_counter() - start) / 50)
         flops, seconds = flops + 2 * rows * n_in * n_out, seconds + min(timings)
     return flops / seconds
@@ -98,24 +114,26 @@ def call_flops(config, prompt_lengths: list[int], response_lengths: list[int]) -
     return total
 
 
-def memory_bytes_per_s() -> float:
+def memory_bytes_per_s(device: str = "cpu") -> float:
     """The machine's copy bandwidth (module docstring): bytes read plus written per second."""
     import torch
 
-    src = torch.ones(64 * 2**20)  # 256 MB of fp32
+    src = torch.ones(64 * 2**20, device=device)  # 256 MB of fp32
     dst = torch.empty_like(src)
     timings = []
-    for _ in range(3):
+    for _ in range(4):
+        synchronize(device)
         start = time.perf_counter()
         dst.copy_(src)
+        synchronize(device)
         timings.append(time.perf_counter() - start)
     return 2 * src.numel() * src.element_size() / min(timings)
 
 
-def call_kv_bytes(config, prompt_lengths: list[int], response_lengths: list[int]) -> float:
+def call_kv_bytes(config, prompt_lengths: list[int], response_lengths: list[int], element_bytes: int = 4) -> float:
     """Bytes of K/V one rollout call reads (module docstring): every position reads the keys and values before it."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    per_key = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 4
+    per_key = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * element_bytes
     return sum(per_key * (p + r - 1) * (p + r) / 2 for p, r in zip(prompt_lengths, response_lengths))
 
 
@@ -136,6 +154,9 @@ def measure(args) -> list[dict]:
     else:
         tokenizer = build_tokenizer()
         model = make_tiny_model(tokenizer, seed=0, **MODELS[args.model]).eval()
+    # On a GPU in bf16, as a mixed-precision run samples (FSDP2 computes in bf16, one rank or many).
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    model = model.to(args.device, dtype)
     shape = SHAPES[args.task_length]
     problems = make_problems(args.prompts, seed=0, min_difficulty=shape.difficulty[0],
                              max_difficulty=shape.difficulty[1], width=shape.width)
@@ -167,18 +188,20 @@ def measure(args) -> list[dict]:
     times, cpu_times, batches = {b: [] for b in engines}, {b: [] for b in engines}, {}
     for i in range(args.repeats + 1):
         for backend, engine in engines.items():  # in turns: the same load for each
+            synchronize(args.device)
             start, cpu_start = time.perf_counter(), time.process_time()
             batches[backend] = engine.generate(prompts, args.new_tokens, temperature=1.0, seed=i)
+            synchronize(args.device)
             if i:  # the first call warms caches and kernels
                 times[backend].append(time.perf_counter() - start)
                 cpu_times[backend].append(time.process_time() - cpu_start)
-    rate, bandwidth = matmul_flops_per_s(model.config, args.prompts), memory_bytes_per_s()
+    rate, bandwidth = matmul_flops_per_s(model.config, args.prompts, args.device, dtype), memory_bytes_per_s(args.device)
     out = []
     for backend, engine in engines.items():
         seconds, batch = statistics.median(times[backend]), batches[backend]
         prompt_lengths, response_lengths = [len(p) for p in prompts], batch.lengths.tolist()
         floor = call_flops(model.config, prompt_lengths, response_lengths) / rate
-        memory_floor = call_kv_bytes(model.config, prompt_lengths, response_lengths) / bandwidth
+        memory_floor = call_kv_bytes(model.config, prompt_lengths, response_lengths, dtype.itemsize) / bandwidth
         r = {"backend": backend, "model": args.model, "startup_s": startup[backend], "generate_s": seconds,
              "cpu_s": statistics.median(cpu_times[backend]),
              "tokens": int(batch.lengths.sum()), "tokens_per_s": int(batch.lengths.sum()) / seconds,
@@ -186,7 +209,7 @@ def measure(args) -> list[dict]:
              "copy_gb_per_s": bandwidth / 1e9,
              "params_m": sum(p.numel() for p in model.parameters()) / 1e6}
         if args.profile and backend in HF_BACKENDS:
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:  # host time
                 engine.generate(prompts, args.new_tokens, temperature=1.0, seed=0)
             ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
             total = sum(e.self_cpu_time_total for e in ops)
@@ -209,17 +232,24 @@ def main() -> None:
     p.add_argument("--backends", nargs="+", default=["hf", "hf-fast", "vllm"], choices=["hf", "hf-fast", "vllm"])
     p.add_argument("--no-eos", action="store_true", help="every row runs all --new-tokens (timing only)")
     p.add_argument("--profile", action="store_true", help="HF backends: the operators that take the most time")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="cuda: the Hugging Face backends on the GPU, in bf16 (vLLM: CPU only here)")
     p.add_argument("--backend", help=argparse.SUPPRESS)  # child mode: comma-separated backends
     p.add_argument("--model", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.no_eos and "vllm" in args.backends and not args.backend:
         p.error("--no-eos times the Hugging Face backends only (vLLM refuses a stop id outside the vocabulary)")
+    if args.device == "cuda" and "vllm" in args.backends and not args.backend:
+        p.error("--device cuda times the Hugging Face backends only (vLLM on a GPU: bench/gpu_smoke.sh part 4)")
     if args.backend:
         print(json.dumps(measure(args)))
         return
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "CUDA_VISIBLE_DEVICES": ""}
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    if args.device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
     print(f"{args.prompts} prompts x up to {args.new_tokens} new tokens{' (EOS disabled)' * args.no_eos}, "
-          f"temperature 1, {args.threads} threads, median of {args.repeats}")
+          f"temperature 1, {args.threads} threads, median of {args.repeats}"
+          f"{', on the GPU in bf16' * (args.device == 'cuda')}")
     print(f"{'model':<6}{'params':>8}{'backend':>9}{'start s':>9}{'gen s':>8}{'cpu s':>8}{'tokens':>8}{'tok/s':>9}"
           f"{'x hf':>7}{'floor s':>9}{'mem s':>7}")
     hf_group = [b for b in args.backends if b in HF_BACKENDS]
@@ -230,6 +260,7 @@ def main() -> None:
             child = [sys.executable, __file__, "--backend", backends, "--model", model,
                      "--prompts", str(args.prompts), "--new-tokens", str(args.new_tokens),
                      "--repeats", str(args.repeats), "--threads", str(args.threads), *(["--profile"] * args.profile),
+                     "--device", args.device,
                      *(["--no-eos"] * args.no_eos), "--task-length", args.task_length,
                      *(["--checkpoint", args.checkpoint] * bool(args.checkpoint))]
             out = subprocess.run(child, env=env, capture_output=True, text=True)
