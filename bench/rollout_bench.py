@@ -137,6 +137,13 @@ def call_kv_bytes(config, prompt_lengths: list[int], response_lengths: list[int]
     return sum(per_key * (p + r - 1) * (p + r) / 2 for p, r in zip(prompt_lengths, response_lengths))
 
 
+def top_operators(events, attribute: str, clock: str, count: int = 6) -> list[tuple[str, float, int, str]]:
+    """The `count` operators with the most of `attribute` (a profiler total): (name, share, calls, clock)."""
+    ops = sorted(events, key=lambda e: getattr(e, attribute), reverse=True)
+    total = sum(getattr(e, attribute) for e in ops) or 1.0
+    return [(e.key, getattr(e, attribute) / total, e.count, clock) for e in ops[:count]]
+
+
 def measure(args) -> list[dict]:
     """In the child: build the model, time generation with each of --backends, return their numbers."""
     import types
@@ -164,6 +171,8 @@ def measure(args) -> list[dict]:
     # What the engines stop on: with --no-eos an id no token has, so every row runs to the limit.
     stops = types.SimpleNamespace(eos_token_id=len(tokenizer), pad_token_id=tokenizer.pad_token_id) \
         if args.no_eos else tokenizer
+    if args.no_eos:  # the engines also stop on the end tokens the model's generation config lists
+        model.generation_config.eos_token_id = None
     engines, startup = {}, {}
     for backend in args.backend.split(","):
         start = time.perf_counter()
@@ -209,11 +218,17 @@ def measure(args) -> list[dict]:
              "copy_gb_per_s": bandwidth / 1e9,
              "params_m": sum(p.numel() for p in model.parameters()) / 1e6}
         if args.profile and backend in HF_BACKENDS:
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:  # host time
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if args.device == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            with torch.profiler.profile(activities=activities) as prof:
                 engine.generate(prompts, args.new_tokens, temperature=1.0, seed=0)
-            ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
-            total = sum(e.self_cpu_time_total for e in ops)
-            r["top_ops"] = [(e.key, e.self_cpu_time_total / total, e.count) for e in ops[:6]]
+                synchronize(args.device)
+            events = prof.key_averages()
+            # Host time: on a GPU it includes the waits of every synchronisation (.item(), nonzero, ...).
+            r["top_ops"] = top_operators(events, "self_cpu_time_total", "host")
+            if args.device == "cuda":
+                r["top_ops"] += top_operators(events, "self_device_time_total", "GPU")
         out.append(r)
     return out
 
@@ -272,8 +287,8 @@ def main() -> None:
                 print(f"{model:<6}{r['params_m']:>7.1f}M{r['backend']:>9}{r['startup_s']:>9.1f}{r['generate_s']:>8.2f}"
                       f"{r['cpu_s']:>8.2f}{r['tokens']:>8}{r['tokens_per_s']:>9.0f}{ratio:>7}{r['floor_s']:>9.2f}"
                       f"{r['memory_floor_s']:>7.2f}")
-                for name, share, count in r.get("top_ops", []):
-                    print(f"      {share:6.1%} of the call's operator time: {name} ({count} calls)")
+                for name, share, count, clock in r.get("top_ops", []):
+                    print(f"      {share:6.1%} of the call's {clock} operator time: {name} ({count} calls)")
     if {"hf", "hf-fast"} <= set(results):  # the last model's: the one line a script reads
         new, old = results["hf-fast"], results["hf"]
         print(f"machine: matmul {new['matmul_gflops']:.0f} GFLOP/s, copy {new['copy_gb_per_s']:.1f} GB/s; the fast path "
