@@ -26,10 +26,11 @@ decoding, unrecorded (what `generate`'s `synced_gpus` does). Log-probs, finish r
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -39,11 +40,19 @@ from rollout import HFRollout, RolloutBatch, check_sampling, probabilities_check
 ATTENTION = "vcppo_gqa_sdpa"
 
 
+# On a GPU, SDPA without cuDNN's kernel, which builds an execution plan (on the host, tens of ms) for
+# every new shape: a batch that drops its stopped rows meets a new (rows, keys) shape at nearly every
+# step. On an H200 this loop ran at 0.23x `generate`'s tokens/s where rows stopped, and 1.06x at a
+# fixed batch, which is what such plan builds explain (README, "What was tested where").
+WITHOUT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def gqa_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """SDPA over [B, heads, S, D] with the model's additive mask; a key/value head serves its group of
     query heads in place (`enable_gqa`) instead of being repeated. Returns [B, S, heads, D], None."""
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
-                                         scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+    with sdpa_kernel(WITHOUT_CUDNN) if query.is_cuda else nullcontext():
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                             scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2).contiguous(), None
 
 
