@@ -259,7 +259,8 @@ class HFRollout:
         self.model.eval()
         # A seed makes the rollout a function of (seed, weights, prompts): resumed runs replay exactly.
         seed = rank_seed(seed)  # drawn before the fork when there is none, so that calls differ
-        with torch.random.fork_rng(devices=[]), own_sampling_only(self.model):
+        # The RNG states it seeds (the CPU's, and the GPU's where it samples) are restored after it.
+        with torch.random.fork_rng(devices=[ids.device] if ids.is_cuda else []), own_sampling_only(self.model):
             torch.manual_seed(seed)
             with probabilities_checked():
                 out = self.model.generate(
