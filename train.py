@@ -40,9 +40,10 @@ from support.masked import check_masked_inputs, masked_mean
 from ppo import aggregate_loss, entropy_from_logits, explained_variance, kl_penalty, policy_loss
 from ppo import response_logprobs, token_logprobs_and_entropy
 from ppo_update import assert_finite, masked_whiten, micro_batched_forward, update_model
-from rollout import HFRollout, VLLMRollout
+from rollout import HFRollout
 from sampling import Sampler, ScoredBatch
 from support.sft import ModelError, check_model, prepare_sft
+from support.vllm_rollout import VLLMRollout
 from value_pretrain import prepare_value_critic
 from reward import Grader
 

@@ -8,8 +8,7 @@
 #      against its copy bound; the CPU loop's rows in parallel, timed with all cores;
 #   1. the tiny pipeline (train.py, every stage) in one process with --rollout hf, bf16 and
 #      activation checkpointing (FSDP2 over a group of one rank);
-#   2. the same under torchrun --nproc_per_node 1, with the default rollout (the fast HF path) and
-#      the throughput levers on;
+#   2. the same under torchrun --nproc_per_node 1, with the throughput levers on;
 #   3. bench/mfu_bench.py: the PPO actor update of a Qwen2.5-1.5B shape, levers off, then on;
 #   4. only where vLLM imports: vLLM on the GPU (bf16, sleep mode), weight sync, FSDP2 with CPU
 #      offload (two GPUs: tensor parallel 2 under torchrun);
@@ -71,7 +70,8 @@ import torch
 from common import PROMPTS, tiny_actor
 from fsdp_utils import init_distributed, shard_model
 from support.checkpoints import export_hf_checkpoint, iter_full_weights
-from rollout import HFRollout, VLLMRollout
+from rollout import HFRollout
+from support.vllm_rollout import VLLMRollout
 
 work, offload = sys.argv[1], sys.argv[2] == "offload"
 info = init_distributed()
@@ -143,9 +143,9 @@ part1() {
 }
 
 part2() {
-  echo "== part 2: the same under torchrun (one rank), with the default rollout (hf-fast) and the throughput levers"
+  echo "== part 2: the same under torchrun (one rank), with the throughput levers"
   bounded "$PY" -m torch.distributed.run --nproc_per_node 1 train.py --out-dir "$WORK/runs" --run-name torchrun \
-    "${PIPELINE[@]}" "${GPU_FLAGS[@]}" --activation-checkpointing --checkpoint-fraction 0.5 \
+    --rollout hf "${PIPELINE[@]}" "${GPU_FLAGS[@]}" --activation-checkpointing --checkpoint-fraction 0.5 \
     --micro-batch-tokens 2048 --logprob-chunk-tokens 256
   test -f "$WORK/runs/torchrun/summary.json"
 }
@@ -185,8 +185,8 @@ part5() {
 
 part6() {
   echo "== part 6: sampling on the GPU, Hugging Face generate against the fast HF path (bf16)"
-  echo "-- rows stop at their EOS (the fast path's batch shrinks), then every row runs to the limit, profiled"
-  bounded "$PY" bench/rollout_bench.py "${ROLLOUT_FLAGS[@]}" --backends hf hf-fast
+  echo "-- rows stop at their EOS (the fast path's batch shrinks), then every row runs to the limit; each profiled"
+  bounded "$PY" bench/rollout_bench.py "${ROLLOUT_FLAGS[@]}" --backends hf hf-fast --profile
   bounded "$PY" bench/rollout_bench.py "${ROLLOUT_FLAGS[@]}" --backends hf hf-fast --no-eos --profile
 }
 

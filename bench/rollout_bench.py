@@ -40,13 +40,17 @@ The memory floor. A decoding step reads, for each row, every key and value writt
 layers x 2 x kv_heads x head_dim x 4 bytes (fp32) for each of the sum_i (i + 1) keys above. Once
 the cache outgrows the CPU's caches (64 rows x 600 positions of the tiny model: ~60 MB) those reads
 come from DRAM; their bytes over the machine's copy bandwidth (a 256 MB `copy_`, reads plus writes,
-fastest of 3, measured here) is the "mem s" column: a second floor, which an engine that keeps the
+fastest of 4, measured here) is the "mem s" column: a second floor, which an engine that keeps the
 K/V in fp32 cannot beat however few operators it runs.
 
 --device cuda runs the Hugging Face backends on the GPU in bf16, the precision a mixed-precision
 run samples in; the matmul rate and copy bandwidth are then the GPU's (in bf16, and with the GPU
-synchronised around every timing), the K/V counted at 2 bytes. "cpu s" stays the host's CPU time:
-on a GPU, small models are bound by it (kernel launches), not by either floor. The last line:
+synchronised around every timing), the K/V counted at 2 bytes. "cpu s" is no guide there: a
+synchronisation waits by spinning on the host, so it equals the wall time. --profile then also
+prints how busy the GPU was (its kernels' time over the profiled call's wall time), the kernels that
+took the most of it; on either device it lists the attention operators that ran (which SDPA
+backend served the call).
+The last line:
     rollout new_tokens_per_s=<a> hf_generate_tokens_per_s=<b> speedup=<a/b> floor_fraction=<f>
 """
 
@@ -138,10 +142,10 @@ def call_kv_bytes(config, prompt_lengths: list[int], response_lengths: list[int]
 
 
 def top_operators(events, attribute: str, clock: str, count: int = 6) -> list[tuple[str, float, int, str]]:
-    """The `count` operators with the most of `attribute` (a profiler total): (name, share, calls, clock)."""
+    """The `count` events with the most of `attribute` (a profiler total), as (name, share, calls, clock)."""
     ops = sorted(events, key=lambda e: getattr(e, attribute), reverse=True)
     total = sum(getattr(e, attribute) for e in ops) or 1.0
-    return [(e.key, getattr(e, attribute) / total, e.count, clock) for e in ops[:count]]
+    return [(e.key[:100], getattr(e, attribute) / total, e.count, clock) for e in ops[:count]]
 
 
 def measure(args) -> list[dict]:
@@ -178,7 +182,7 @@ def measure(args) -> list[dict]:
         start = time.perf_counter()
         if backend == "vllm":
             from support.checkpoints import export_hf_checkpoint
-            from rollout import VLLMRollout
+            from support.vllm_rollout import VLLMRollout
 
             path = args.checkpoint
             if not path:
@@ -204,7 +208,8 @@ def measure(args) -> list[dict]:
             if i:  # the first call warms caches and kernels
                 times[backend].append(time.perf_counter() - start)
                 cpu_times[backend].append(time.process_time() - cpu_start)
-    rate, bandwidth = matmul_flops_per_s(model.config, args.prompts, args.device, dtype), memory_bytes_per_s(args.device)
+    rate = matmul_flops_per_s(model.config, args.prompts, args.device, dtype)
+    bandwidth = memory_bytes_per_s(args.device)
     out = []
     for backend, engine in engines.items():
         seconds, batch = statistics.median(times[backend]), batches[backend]
@@ -222,13 +227,20 @@ def measure(args) -> list[dict]:
             if args.device == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             with torch.profiler.profile(activities=activities) as prof:
+                start = time.perf_counter()
                 engine.generate(prompts, args.new_tokens, temperature=1.0, seed=0)
                 synchronize(args.device)
+                wall_us = (time.perf_counter() - start) * 1e6
             events = prof.key_averages()
             # Host time: on a GPU it includes the waits of every synchronisation (.item(), nonzero, ...).
             r["top_ops"] = top_operators(events, "self_cpu_time_total", "host")
             if args.device == "cuda":
-                r["top_ops"] += top_operators(events, "self_device_time_total", "GPU")
+                # The GPU's own entries (kernels, copies) only: an operator's entry repeats its kernels' time.
+                kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+                r["gpu_busy"] = sum(e.self_device_time_total for e in kernels) / wall_us
+                r["top_ops"] += top_operators(kernels, "self_device_time_total", "GPU kernel")
+            r["attention_ops"] = [(e.key, e.count) for e in events if "attention" in e.key.lower()
+                                  and e.device_type == torch.autograd.DeviceType.CPU]  # operators, not kernels
         out.append(r)
     return out
 
@@ -287,8 +299,12 @@ def main() -> None:
                 print(f"{model:<6}{r['params_m']:>7.1f}M{r['backend']:>9}{r['startup_s']:>9.1f}{r['generate_s']:>8.2f}"
                       f"{r['cpu_s']:>8.2f}{r['tokens']:>8}{r['tokens_per_s']:>9.0f}{ratio:>7}{r['floor_s']:>9.2f}"
                       f"{r['memory_floor_s']:>7.2f}")
+                if "gpu_busy" in r:
+                    print(f"      the GPU ran kernels {r['gpu_busy']:.0%} of the profiled call's wall time")
                 for name, share, count, clock in r.get("top_ops", []):
-                    print(f"      {share:6.1%} of the call's {clock} operator time: {name} ({count} calls)")
+                    print(f"      {share:6.1%} of the call's {clock} time: {name} ({count} calls)")
+                for name, count in r.get("attention_ops", []):
+                    print(f"      attention operator: {name} ({count} calls)")
     if {"hf", "hf-fast"} <= set(results):  # the last model's: the one line a script reads
         new, old = results["hf-fast"], results["hf"]
         print(f"machine: matmul {new['matmul_gflops']:.0f} GFLOP/s, copy {new['copy_gb_per_s']:.1f} GB/s; the fast path "

@@ -42,7 +42,7 @@ def worker(args) -> None:
 
     from fsdp_utils import init_distributed, is_main, shard_model
     from support.checkpoints import export_hf_checkpoint
-    from rollout import VLLMRollout
+    from support.vllm_rollout import VLLMRollout
     from support.task import build_tokenizer, make_tiny_model
 
     torch.set_num_threads(args.threads)

@@ -40,19 +40,19 @@ from rollout import HFRollout, RolloutBatch, check_sampling, probabilities_check
 ATTENTION = "vcppo_gqa_sdpa"
 
 
-# On a GPU, SDPA without cuDNN's kernel, which builds an execution plan (on the host, tens of ms) for
-# every new shape: a batch that drops its stopped rows meets a new (rows, keys) shape at nearly every
-# step. On an H200 this loop ran at 0.23x `generate`'s tokens/s where rows stopped, and 1.06x at a
-# fixed batch, which is what such plan builds explain (README, "What was tested where").
+# On a GPU the decoding runs SDPA without cuDNN's kernel. Suspected, not yet measured: cuDNN builds
+# an execution plan on the host for every new shape, and where rows stop, this loop's (rows, keys)
+# shapes depend on the sampled lengths, so nearly every step of every call meets a new one, where
+# `generate`'s (rows, P + t) recur from call to call. On an H200 this loop ran at 0.23x `generate`'s
+# tokens/s where rows stopped, and 1.06x where none did (README, "What was tested where").
 WITHOUT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def gqa_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """SDPA over [B, heads, S, D] with the model's additive mask; a key/value head serves its group of
     query heads in place (`enable_gqa`) instead of being repeated. Returns [B, S, heads, D], None."""
-    with sdpa_kernel(WITHOUT_CUDNN) if query.is_cuda else nullcontext():
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
-                                             scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                         scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -181,7 +181,8 @@ class Decoder:
 
     def _forward(self, ids, mask, positions) -> torch.Tensor:
         # The mask is passed per layer type, so the model uses it as it is instead of building one.
-        with attention_implementation(self.model, ATTENTION):
+        backends = sdpa_kernel(WITHOUT_CUDNN) if ids.is_cuda else nullcontext()
+        with attention_implementation(self.model, ATTENTION), backends:
             out = self.model(input_ids=ids, attention_mask={"full_attention": mask}, position_ids=positions,
                              past_key_values=self.cache, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1]

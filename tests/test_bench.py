@@ -40,7 +40,7 @@ def test_rollout_bench_profiles_hugging_face_generate():
                            "--prompts", "2", "--new-tokens", "4", "--repeats", "1", "--profile"],
                           capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr
-    shares = [float(line.split("%")[0]) for line in done.stdout.splitlines() if "of the call's operator time" in line]
+    shares = [float(line.split("%")[0]) for line in done.stdout.splitlines() if "of the call's host time" in line]
     assert len(shares) == 6 and 0 < sum(shares) <= 100.05 and shares == sorted(shares, reverse=True)
 
 

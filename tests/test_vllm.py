@@ -1,4 +1,4 @@
-"""vLLM rollouts (`rollout.VLLMRollout`) against Hugging Face `generate` on the same weights.
+"""vLLM rollouts (`support/vllm_rollout.py`, `VLLMRollout`) against Hugging Face `generate` on the same weights.
 
 Three launches of tests/dist_workers/vllm_worker.py, each checked by every test below: torchrun
 with 2 CPU ranks as one tensor-parallel group (tp2) or as two data-parallel engines (dp2), and

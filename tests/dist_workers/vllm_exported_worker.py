@@ -13,7 +13,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import gae  # noqa: F401  (as in train.py: numba's llvmlite is loaded when vLLM's CPU worker starts)
 from common import write_result
 from support.data import encode_prompt
-from rollout import HFRollout, VLLMRollout
+from rollout import HFRollout
+from support.vllm_rollout import VLLMRollout
 
 out_dir, path = sys.argv[1], sys.argv[2]
 torch.set_num_threads(1)

@@ -21,7 +21,8 @@ import gae  # noqa: F401  (as in train.py: numba's llvmlite is loaded when vLLM'
 from common import PROMPTS, tiny_actor, write_result
 from fsdp_utils import init_distributed, shard_model
 from support.checkpoints import export_hf_checkpoint, iter_full_weights
-from rollout import HFRollout, VLLMRollout
+from rollout import HFRollout
+from support.vllm_rollout import VLLMRollout
 
 out_dir, tp = sys.argv[1], int(sys.argv[2])
 torch.set_num_threads(1)
