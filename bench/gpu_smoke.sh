@@ -9,7 +9,8 @@
 #   1. the tiny pipeline (train.py, every stage) in one process with --rollout hf, bf16 and
 #      activation checkpointing (FSDP2 over a group of one rank);
 #   2. the same under torchrun --nproc_per_node 1, with the throughput levers on;
-#   3. bench/mfu_bench.py: the PPO actor update of a Qwen2.5-1.5B shape, levers off, then on;
+#   3. bench/mfu_bench.py: the PPO actor update of a Qwen2.5-1.5B shape, levers off, then on, then
+#      levers off with new shapes at every step;
 #   4. only where vLLM imports: vLLM on the GPU (bf16, sleep mode), weight sync, FSDP2 with CPU
 #      offload (two GPUs: tensor parallel 2 under torchrun);
 #   5. the memory plan of the 32B preset;
@@ -161,6 +162,8 @@ part3() {
     --compile-layers --checkpoint-fraction 0.5
   echo "-- the same with micro-batches of one row (no padding)"
   bounded "$PY" bench/mfu_bench.py "${MFU_FLAGS[@]}" --logprob-chunk-tokens 4096 --compile-layers --checkpoint-fraction 0.5
+  echo "-- levers off, a batch of new lengths for every step (new shapes, as a run meets them)"
+  bounded "$PY" bench/mfu_bench.py "${MFU_FLAGS[@]}" --fresh-batches
 }
 
 part4() {

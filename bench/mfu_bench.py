@@ -16,7 +16,11 @@ The last line:
 
 The throughput levers are train.py's flags: --micro-batch-tokens, --logprob-chunk-tokens,
 --compile-layers, --checkpoint-fraction. --profile prints the operators of one more update by the
-time they take (on the GPU, kernel time). `--dry-run` runs the same code on the CPU with a tiny
+time they take (on the GPU, kernel time). The timed steps repeat one batch, so their shapes were
+met before; --fresh-batches draws a batch of new lengths for every step instead, as each step of a
+run does, so that what a new shape costs (a kernel library's plan for it, a recompile) is timed
+too. Either way MFU is the timed steps' FLOPs over their time (with one batch, its FLOPs over the
+mean time). `--dry-run` runs the same code on the CPU with a tiny
 shape, in float32 (the MFU it prints is of no meaning there).
 
     python bench/mfu_bench.py --micro-batch-tokens 32768 --logprob-chunk-tokens 4096 --compile-layers
@@ -62,6 +66,8 @@ def parse_args(argv=None):
     parser.add_argument("--dry-run", action="store_true", help="tiny shape on the CPU: checks this script runs")
     parser.add_argument("--profile", action="store_true",
                         help="then one more PPO update under torch.profiler: the kernels that take the most time")
+    parser.add_argument("--fresh-batches", action="store_true",
+                        help="a batch of new lengths (so new shapes) for every update and bare step, as training meets")
     return parser.parse_args(argv)
 
 
@@ -141,13 +147,20 @@ def main(argv=None) -> dict:
             torch.cuda.synchronize()
         return time.perf_counter() - start
 
-    flops = model_flops(shape, (batch.prompt_mask.sum(-1) + batch.lengths).tolist())
-    times = {"bare": [], "ppo": []}
+    def flops_of(batch) -> float:
+        return model_flops(shape, (batch.prompt_mask.sum(-1) + batch.lengths).tolist())
+
+    flops = flops_of(batch)
+    times, step_flops = {"bare": [], "ppo": []}, {"bare": [], "ppo": []}
     for i in tqdm(range(1 + args.repeats), desc="mfu_bench (warm-up, then timed)", disable=info.rank != 0):
-        for name, fn in (("bare", bare), ("ppo", ppo)):
+        for j, (name, fn) in enumerate((("bare", bare), ("ppo", ppo))):
+            if args.fresh_batches:  # the closures above read the new batch
+                batch, rows = ragged_batch(shape["vocab_size"], args.rows, prompt_tokens, response_tokens,
+                                           info.device, seed=1 + 2 * i + j)
             seconds = timed(fn)
             if i > 0:  # the first round compiles and warms the allocator
                 times[name].append(seconds)
+                step_flops[name].append(flops_of(batch))
     if args.profile:  # where the update's time goes, for the next lever
         cuda = info.device.type == "cuda"
         activities = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * cuda
@@ -158,15 +171,16 @@ def main(argv=None) -> dict:
                                             row_limit=20), flush=True)
     bare_s, ppo_s = statistics.median(times["bare"]), statistics.median(times["ppo"])
     peak = torch.cuda.max_memory_allocated() / 2**30 if info.device.type == "cuda" else 0.0
-    result = {"ppo": flops / ppo_s / PEAK_FLOPS, "bare": flops / bare_s / PEAK_FLOPS, "ratio": ppo_s / bare_s,
-              "peak_gib": peak}
+    ppo_mfu, bare_mfu = (sum(step_flops[k]) / sum(times[k]) / PEAK_FLOPS for k in ("ppo", "bare"))
+    result = {"ppo": ppo_mfu, "bare": bare_mfu, "ratio": bare_mfu / ppo_mfu, "peak_gib": peak}
     if info.rank == 0:
         micro = list(batch.micro_batches(torch.arange(len(batch), device=batch.device), cfg.micro_batch_size,
                                          cfg.micro_batch_tokens))
         print(f"{'dry run (CPU, tiny)' if args.dry_run else 'Qwen2.5-1.5B shape'}: {len(batch)} rows, "
               f"{int(batch.lengths.sum())} response + {int(batch.prompt_mask.sum())} prompt tokens in "
               f"{len(micro)} micro-batches; {flops / 1e12:.1f} TFLOP per pass; update {ppo_s:.2f} s, bare {bare_s:.2f} s "
-              f"(medians of {args.repeats}); {flops / ppo_s / 1e12:.0f} model TFLOP/s", flush=True)
+              f"(medians of {args.repeats}{', each step a fresh batch like this one' * args.fresh_batches}); "
+              f"{ppo_mfu * PEAK_FLOPS / 1e12:.0f} model TFLOP/s", flush=True)
         print(f"mfu ppo={result['ppo']:.3f} bare={result['bare']:.3f} ratio={result['ratio']:.2f} "
               f"peak_gib={result['peak_gib']:.1f}", flush=True)
     fsdp_utils.close_distributed()

@@ -26,6 +26,21 @@ def test_mfu_bench_dry_run_runs_the_update_with_every_lever_and_ends_with_its_li
     assert result["ratio"] > 0 and result["ppo"] > 0
 
 
+def test_mfu_bench_fresh_batches_time_a_new_batch_at_every_step(monkeypatch):
+    """--fresh-batches: every timed step (bare and PPO, warm-up included) draws a batch of its own seed,
+    and MFU counts each step's own FLOPs."""
+    seeds, updated = [], []
+    drawn, update = mfu_bench.ragged_batch, mfu_bench.update_model
+    monkeypatch.setattr(mfu_bench, "ragged_batch", lambda *a, seed=0: seeds.append(seed) or drawn(*a, seed=seed))
+    monkeypatch.setattr(mfu_bench, "update_model", lambda cfg, m, o, batch, *a, **k: updated.append(
+        batch.lengths.tolist()) or update(cfg, m, o, batch, *a, **k))
+    result = mfu_bench.main(["--dry-run", "--rows", "4", "--repeats", "2", "--fresh-batches"])
+    assert seeds == [0, 1, 2, 3, 4, 5, 6]  # the first batch, then one per step of 3 rounds x (bare, PPO)
+    assert updated == [drawn(*([mfu_bench.TINY["vocab_size"], 4, 16, 48, "cpu"]), seed=s)[0].lengths.tolist()
+                       for s in (2, 4, 6)]  # each PPO update ran on the batch drawn for it
+    assert result["ppo"] > 0 and result["ratio"] > 0
+
+
 def test_matmul_parameters_are_the_models_projections_and_its_tied_head_once():
     model = Qwen2ForCausalLM(Qwen2Config(**mfu_bench.TINY))
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))  # head included once
