@@ -126,7 +126,7 @@ def main(argv=None) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-7)
     batch, rows = ragged_batch(shape["vocab_size"], args.rows, prompt_tokens, response_tokens, info.device)
 
-    def bare():  # in training mode, as update_model sets it (eval mode would skip the recompute)
+    def bare(batch, rows):  # in training mode, as update_model sets it (eval mode would skip the recompute)
         model.train()
         optimizer.zero_grad(set_to_none=True)
         every_row = torch.arange(len(batch), device=batch.device)
@@ -135,14 +135,14 @@ def main(argv=None) -> dict:
             (-logprobs.sum() / micro.response_mask.sum()).backward()
         optimizer.step()
 
-    def ppo():
+    def ppo(batch, rows):
         update_model(cfg, model, optimizer, batch, rows, train.actor_loss, seed=0, prefix="actor")
 
-    def timed(fn):
+    def timed(fn, *args):
         if info.device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        fn()
+        fn(*args)
         if info.device.type == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter() - start
@@ -150,22 +150,20 @@ def main(argv=None) -> dict:
     def flops_of(batch) -> float:
         return model_flops(shape, (batch.prompt_mask.sum(-1) + batch.lengths).tolist())
 
-    flops = flops_of(batch)
     times, step_flops = {"bare": [], "ppo": []}, {"bare": [], "ppo": []}
     for i in tqdm(range(1 + args.repeats), desc="mfu_bench (warm-up, then timed)", disable=info.rank != 0):
         for j, (name, fn) in enumerate((("bare", bare), ("ppo", ppo))):
-            if args.fresh_batches:  # the closures above read the new batch
-                batch, rows = ragged_batch(shape["vocab_size"], args.rows, prompt_tokens, response_tokens,
-                                           info.device, seed=1 + 2 * i + j)
-            seconds = timed(fn)
+            step_batch, step_rows = (batch, rows) if not args.fresh_batches else ragged_batch(
+                shape["vocab_size"], args.rows, prompt_tokens, response_tokens, info.device, seed=1 + 2 * i + j)
+            seconds = timed(fn, step_batch, step_rows)
             if i > 0:  # the first round compiles and warms the allocator
                 times[name].append(seconds)
-                step_flops[name].append(flops_of(batch))
+                step_flops[name].append(flops_of(step_batch))
     if args.profile:  # where the update's time goes, for the next lever
         cuda = info.device.type == "cuda"
         activities = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * cuda
         with torch.profiler.profile(activities=activities) as prof:
-            timed(ppo)
+            timed(ppo, batch, rows)
         if info.rank == 0:
             print(prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
                                             row_limit=20), flush=True)
@@ -174,13 +172,17 @@ def main(argv=None) -> dict:
     ppo_mfu, bare_mfu = (sum(step_flops[k]) / sum(times[k]) / PEAK_FLOPS for k in ("ppo", "bare"))
     result = {"ppo": ppo_mfu, "bare": bare_mfu, "ratio": bare_mfu / ppo_mfu, "peak_gib": peak}
     if info.rank == 0:
-        micro = list(batch.micro_batches(torch.arange(len(batch), device=batch.device), cfg.micro_batch_size,
-                                         cfg.micro_batch_tokens))
-        print(f"{'dry run (CPU, tiny)' if args.dry_run else 'Qwen2.5-1.5B shape'}: {len(batch)} rows, "
-              f"{int(batch.lengths.sum())} response + {int(batch.prompt_mask.sum())} prompt tokens in "
-              f"{len(micro)} micro-batches; {flops / 1e12:.1f} TFLOP per pass; update {ppo_s:.2f} s, bare {bare_s:.2f} s "
-              f"(medians of {args.repeats}{', each step a fresh batch like this one' * args.fresh_batches}); "
-              f"{ppo_mfu * PEAK_FLOPS / 1e12:.0f} model TFLOP/s", flush=True)
+        if args.fresh_batches:
+            flops = statistics.mean(step_flops["ppo"])
+            batches = f"{len(batch)} rows, a batch of new lengths for every step; {flops / 1e12:.1f} TFLOP per pass (mean)"
+        else:
+            micro = list(batch.micro_batches(torch.arange(len(batch), device=batch.device), cfg.micro_batch_size,
+                                             cfg.micro_batch_tokens))
+            batches = (f"{len(batch)} rows, {int(batch.lengths.sum())} response + {int(batch.prompt_mask.sum())} "
+                       f"prompt tokens in {len(micro)} micro-batches; {flops_of(batch) / 1e12:.1f} TFLOP per pass")
+        print(f"{'dry run (CPU, tiny)' if args.dry_run else 'Qwen2.5-1.5B shape'}: {batches}; update {ppo_s:.2f} s, "
+              f"bare {bare_s:.2f} s (medians of {args.repeats}); {ppo_mfu * PEAK_FLOPS / 1e12:.0f} model TFLOP/s",
+              flush=True)
         print(f"mfu ppo={result['ppo']:.3f} bare={result['bare']:.3f} ratio={result['ratio']:.2f} "
               f"peak_gib={result['peak_gib']:.1f}", flush=True)
     fsdp_utils.close_distributed()

@@ -236,7 +236,7 @@ def measure(args) -> list[dict]:
             r["top_ops"] = top_operators(events, "self_cpu_time_total", "host")
             if args.device == "cuda":
                 # The GPU's own entries (kernels, copies) only: an operator's entry repeats its kernels' time.
-                kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+                kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation]
                 r["gpu_busy"] = sum(e.self_device_time_total for e in kernels) / wall_us
                 r["top_ops"] += top_operators(kernels, "self_device_time_total", "GPU kernel")
             r["attention_ops"] = [(e.key, e.count) for e in events if "attention" in e.key.lower()

@@ -13,7 +13,7 @@ newest one is passed over (`restore_latest`).
 
 Full (unsharded) weights leave the trainer in two ways, both streamed one bounded bucket at a
 time so no rank ever holds the whole model (TRL #7131): into the vLLM engine after each update
-(`iter_full_weights`, used by `vllm_rollout.VLLMRollout.sync_weights`) and into a Hugging Face
+(`iter_full_weights`, used by `support.vllm_rollout.VLLMRollout.sync_weights`) and into a Hugging Face
 checkpoint (`export_hf_checkpoint`).
 """
 

@@ -27,17 +27,21 @@ def test_mfu_bench_dry_run_runs_the_update_with_every_lever_and_ends_with_its_li
 
 
 def test_mfu_bench_fresh_batches_time_a_new_batch_at_every_step(monkeypatch):
-    """--fresh-batches: every timed step (bare and PPO, warm-up included) draws a batch of its own seed,
-    and MFU counts each step's own FLOPs."""
-    seeds, updated = [], []
-    drawn, update = mfu_bench.ragged_batch, mfu_bench.update_model
+    """--fresh-batches: every step (bare and PPO, warm-up included) runs on a batch of its own seed,
+    and MFU counts each timed step's own FLOPs."""
+    drawn, forward, count = mfu_bench.ragged_batch, mfu_bench.train.policy_forward, mfu_bench.model_flops
+    seeds, forwarded, counted = [], [], []
     monkeypatch.setattr(mfu_bench, "ragged_batch", lambda *a, seed=0: seeds.append(seed) or drawn(*a, seed=seed))
-    monkeypatch.setattr(mfu_bench, "update_model", lambda cfg, m, o, batch, *a, **k: updated.append(
-        batch.lengths.tolist()) or update(cfg, m, o, batch, *a, **k))
+    monkeypatch.setattr(mfu_bench.train, "policy_forward", lambda model, micro, *a, **k: forwarded.append(
+        int(micro.lengths.sum())) or forward(model, micro, *a, **k))
+    monkeypatch.setattr(mfu_bench, "model_flops", lambda shape, lengths: counted.append(sorted(lengths)) or count(shape, lengths))
     result = mfu_bench.main(["--dry-run", "--rows", "4", "--repeats", "2", "--fresh-batches"])
-    assert seeds == [0, 1, 2, 3, 4, 5, 6]  # the first batch, then one per step of 3 rounds x (bare, PPO)
-    assert updated == [drawn(*([mfu_bench.TINY["vocab_size"], 4, 16, 48, "cpu"]), seed=s)[0].lengths.tolist()
-                       for s in (2, 4, 6)]  # each PPO update ran on the batch drawn for it
+    assert seeds == [0, 1, 2, 3, 4, 5, 6]  # the first batch (profiled only), then one per step: 3 rounds x (bare, PPO)
+    batches = [drawn(mfu_bench.TINY["vocab_size"], 4, 16, 48, "cpu", seed=s)[0] for s in range(1, 7)]
+    # Micro-batches of one row: each step's forwards are its batch's rows, four by four.
+    assert [sum(forwarded[4 * k: 4 * k + 4]) for k in range(6)] == [int(b.lengths.sum()) for b in batches]
+    assert len(forwarded) == 24
+    assert counted == [sorted((16 + b.lengths).tolist()) for b in batches[2:]]  # the timed rounds' FLOPs
     assert result["ppo"] > 0 and result["ratio"] > 0
 
 
