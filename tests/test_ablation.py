@@ -147,7 +147,11 @@ def test_runs_waiting_for_the_shared_stages_start_once_what_they_read_is_built(t
     def fake_execute(run, threads):
         log(f"start {run.dir.name}")
         if run.dir.name == "ablation__ppo__seed0":
-            time.sleep(0.2)
+            # The runs from pi_SFT must not wait for the ORM: it is built once they have started (or
+            # after 10 s, when the assertions below fail), not after a fixed sleep a loaded machine outlasts.
+            deadline = time.time() + 10
+            while not all(f"start ablation__vc-ppo__seed{s}" in events for s in (0, 1)) and time.time() < deadline:
+                time.sleep(0.01)
             log(f"built {orm.name}")
             orm.mkdir(parents=True, exist_ok=True)
             deadline = time.time() + 10
