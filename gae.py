@@ -86,11 +86,13 @@ def nstep_return(rewards, values, t, h, gamma=1.0):
 def compute_gae(rewards, values, mask, gamma=1.0, lam=0.95):
     """GAE, Eq. (5)-(7). lam is a float or a float tensor [B] (one lambda per response).
     Returns (advantages, returns), both [B, T] and 0 on padding."""
-    lam = _lam(lam, _check_shapes(rewards, values, mask, gamma), "lam")
+    batch = _check_shapes(rewards, values, mask, gamma)
+    kernel = gae_fast.kernel_applies(rewards, values, mask)  # it checks a per-response lambda itself
+    lam = _lam(lam, batch, "lam", check_range=not kernel)
+    if kernel:
+        return gae_fast.kernel_gae(rewards, values, mask, gamma, lam, lam, names=("lam", "lam"))
     if gae_fast.compiled_loop_applies(rewards, values, mask):
         return gae_fast.compiled_gae(rewards, values, mask, gamma, lam, lam)
-    if gae_fast.kernel_applies(rewards, values, mask):
-        return gae_fast.kernel_gae(rewards, values, mask, gamma, lam, lam)
     mask = _check_contents(rewards, values, mask)
     ret = gae_fast.lambda_return(rewards * mask, values, mask, gamma, lam)
     return torch.addcmul(ret, values, mask, value=-1), ret

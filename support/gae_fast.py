@@ -140,13 +140,13 @@ def kernel_applies(rewards, values, mask):
     return compiled_loop_applies(rewards, values, mask, "cuda") and triton_kernel() is not None
 
 
-def kernel_gae(rewards, values, mask, gamma, lam_actor, lam_critic):
+def kernel_gae(rewards, values, mask, gamma, lam_actor, lam_critic, names=("lam_actor", "lam_critic")):
     """gae_triton.lambda_returns; on a bad input (per-response lambdas included: the kernel checks
-    their range) the full check names the argument."""
+    their range) the full check names the argument (the lambdas by `names`, the caller's)."""
     lams = [lam if isinstance(lam, float) else lam.to(values.device) for lam in (lam_actor, lam_critic)]
     result = triton_kernel().lambda_returns(rewards.detach(), values.detach(), mask, gamma, *lams)
     if result is None:
-        _reject(rewards, values, mask, lam_actor=lams[0], lam_critic=lams[1])
+        _reject(rewards, values, mask, **dict(zip(names, lams)))
     return result
 
 

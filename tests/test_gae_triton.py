@@ -18,3 +18,4 @@ def test_kernel_in_the_interpreter_equals_the_compiled_loop_and_rejects_what_it_
     assert r["dispatch_calls"] == 1 and r["dispatch_error"] <= 1e-5
     assert r["bad_input_message"] == "values contains NaN or inf"
     assert r["bad_lambda_message"] == "lam_critic must lie in [0, 1]" and r["dispatch_calls_with_bad_lambda"] == 3
+    assert r["bad_single_lambda_message"] == "lam must lie in [0, 1]" and r["dispatch_calls_with_bad_single_lambda"] == 4

@@ -63,4 +63,10 @@ try:  # the kernel alone checks a per-response lambda here; the message still na
 except ValueError as err:
     result["bad_lambda_message"] = str(err)
 result["dispatch_calls_with_bad_lambda"] = len(calls)
+try:  # the same through the single-lambda API, which names it "lam"
+    gae.compute_gae(rewards, values, mask, 1.0, torch.tensor([0.5, float("nan"), 0.5]))
+    result["bad_single_lambda_message"] = None
+except ValueError as err:
+    result["bad_single_lambda_message"] = str(err)
+result["dispatch_calls_with_bad_single_lambda"] = len(calls)
 write_result(sys.argv[1], 0, result)
