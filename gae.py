@@ -86,13 +86,9 @@ def nstep_return(rewards, values, t, h, gamma=1.0):
 def compute_gae(rewards, values, mask, gamma=1.0, lam=0.95):
     """GAE, Eq. (5)-(7). lam is a float or a float tensor [B] (one lambda per response).
     Returns (advantages, returns), both [B, T] and 0 on padding."""
-    batch = _check_shapes(rewards, values, mask, gamma)
-    kernel = gae_fast.kernel_applies(rewards, values, mask)  # it checks a per-response lambda itself
-    lam = _lam(lam, batch, "lam", check_range=not kernel)
-    if kernel:
-        return gae_fast.kernel_gae(rewards, values, mask, gamma, lam, lam, names=("lam", "lam"))
-    if gae_fast.compiled_loop_applies(rewards, values, mask):
-        return gae_fast.compiled_gae(rewards, values, mask, gamma, lam, lam)
+    (lam, _), fast = _checked_fast_path(rewards, values, mask, gamma, (lam,), ("lam",))
+    if fast is not None:
+        return fast
     mask = _check_contents(rewards, values, mask)
     ret = gae_fast.lambda_return(rewards * mask, values, mask, gamma, lam)
     return torch.addcmul(ret, values, mask, value=-1), ret
@@ -101,15 +97,10 @@ def compute_gae(rewards, values, mask, gamma=1.0, lam=0.95):
 def decoupled_gae(rewards, values, mask, gamma=1.0, lam_actor=0.95, lam_critic=1.0):
     """Decoupled GAE (§3.3): advantages A(lam_actor), critic targets R = A(lam_critic) + V.
     lam_actor/lam_critic: float or float tensor [B]. Returns (advantages, returns), 0 on padding."""
-    batch = _check_shapes(rewards, values, mask, gamma)
-    # The GPU kernel checks a per-response lambda's range as it reads it: no synchronisation here.
-    kernel = gae_fast.kernel_applies(rewards, values, mask)
-    lam_actor, lam_critic = (_lam(lam, batch, name, check_range=not kernel)
-                             for lam, name in ((lam_actor, "lam_actor"), (lam_critic, "lam_critic")))
-    if kernel:
-        return gae_fast.kernel_gae(rewards, values, mask, gamma, lam_actor, lam_critic)
-    if gae_fast.compiled_loop_applies(rewards, values, mask):
-        return gae_fast.compiled_gae(rewards, values, mask, gamma, lam_actor, lam_critic)
+    (lam_actor, lam_critic), fast = _checked_fast_path(rewards, values, mask, gamma, (lam_actor, lam_critic),
+                                                       ("lam_actor", "lam_critic"))
+    if fast is not None:
+        return fast
     mask = _check_contents(rewards, values, mask)
     # One scratch buffer holds the critic's scan input, then the actor's: at long-CoT sizes a
     # fresh [B, T] buffer cost about as much as the arithmetic on the CPU. Each input
@@ -166,6 +157,22 @@ def _check_contents(rewards, values, mask):
     """Finite inputs, binary right-padded mask; returns the mask in the values' dtype."""
     check_masked_inputs(mask, right_padded=True, rewards=rewards, values=values)
     return mask.to(values.dtype)
+
+
+def _checked_fast_path(rewards, values, mask, gamma, lams, names):
+    """Where both GAEs start: the lambdas (actor's and critic's, or one for both) validated under the
+    caller's `names`, as a pair, and (advantages, returns) from the GPU kernel or the compiled CPU loop
+    where one applies, else None. The GPU kernel checks a per-response lambda's range as it reads it:
+    no synchronisation here."""
+    batch = _check_shapes(rewards, values, mask, gamma)
+    kernel = gae_fast.kernel_applies(rewards, values, mask)
+    lams = tuple(_lam(lam, batch, name, check_range=not kernel) for lam, name in zip(lams, names))
+    lams = lams * 2 if len(lams) == 1 else lams
+    if kernel:
+        return lams, gae_fast.kernel_gae(rewards, values, mask, gamma, *lams, names=names)
+    if gae_fast.compiled_loop_applies(rewards, values, mask):
+        return lams, gae_fast.compiled_gae(rewards, values, mask, gamma, *lams)
+    return lams, None
 
 
 def _lam(lam, batch, name, check_range=True):
