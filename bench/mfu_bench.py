@@ -2,7 +2,8 @@
 
 The update is `ppo.update_model` with `train.actor_loss` on a Qwen2.5-1.5B-shaped model with
 random weights (built on the GPU), prepared as `train.py` prepares it (`fsdp_utils.shard_model`: FSDP2 over a
-group of one rank, bf16 compute with float32 parameters and reduction, activation checkpointing).
+group of one rank, bf16 compute with float32 parameters and reduction, activation checkpointing;
+SDPA without cuDNN, as `fsdp_utils.init_distributed` sets it for every GPU process).
 The batch: --rows responses of --prompt-tokens prompt tokens and ragged response lengths, drawn
 uniformly from [3/4, 1] x --response-tokens. It is timed against a bare step on the same
 micro-batches: the same forward (log-probs of the response tokens, through the same head),

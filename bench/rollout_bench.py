@@ -44,12 +44,12 @@ fastest of 4, measured here) is the "mem s" column: a second floor, which an eng
 K/V in fp32 cannot beat however few operators it runs.
 
 --device cuda runs the Hugging Face backends on the GPU in bf16, the precision a mixed-precision
-run samples in; the matmul rate and copy bandwidth are then the GPU's (in bf16, and with the GPU
-synchronised around every timing), the K/V counted at 2 bytes. "cpu s" is no guide there: a
-synchronisation waits by spinning on the host, so it equals the wall time. --profile then also
-prints how busy the GPU was (its kernels' time over the profiled call's wall time), the kernels that
-took the most of it; on either device it lists the attention operators that ran (which SDPA
-backend served the call).
+run samples in, with SDPA kept off cuDNN as train.py keeps it (`fsdp_utils.attention_without_cudnn`);
+the matmul rate and copy bandwidth are then the GPU's (in bf16, and with the GPU synchronised around
+every timing), the K/V counted at 2 bytes. "cpu s" is no guide there: a synchronisation waits by
+spinning on the host, so it equals the wall time. --profile then also prints how busy the GPU was
+(its kernels' time over the profiled call's wall time), the kernels that took the most of it; on
+either device it lists the attention operators that ran (which SDPA backend served the call).
 The last line:
     rollout new_tokens_per_s=<a> hf_generate_tokens_per_s=<b> speedup=<a/b> floor_fraction=<f>
 """
@@ -168,6 +168,10 @@ def measure(args) -> list[dict]:
     # On a GPU in bf16, as a mixed-precision run samples (FSDP2 computes in bf16, one rank or many).
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     model = model.to(args.device, dtype)
+    if args.device == "cuda":
+        from fsdp_utils import attention_without_cudnn
+
+        attention_without_cudnn()
     shape = SHAPES[args.task_length]
     problems = make_problems(args.prompts, seed=0, min_difficulty=shape.difficulty[0],
                              max_difficulty=shape.difficulty[1], width=shape.width)

@@ -26,11 +26,10 @@ decoding, unrecorded (what `generate`'s `synced_gpus` does). Log-probs, finish r
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -38,14 +37,6 @@ from fsdp_utils import any_rank
 from rollout import HFRollout, RolloutBatch, check_sampling, probabilities_checked, rank_seed
 
 ATTENTION = "vcppo_gqa_sdpa"
-
-
-# On a GPU the decoding runs SDPA without cuDNN's kernel. Suspected, not yet measured: cuDNN builds
-# an execution plan on the host for every new shape, and where rows stop, this loop's (rows, keys)
-# shapes depend on the sampled lengths, so nearly every step of every call meets a new one, where
-# `generate`'s (rows, P + t) recur from call to call. On an H200 this loop ran at 0.23x `generate`'s
-# tokens/s where rows stopped, and 1.06x where none did (README, "What was tested where").
-WITHOUT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def gqa_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -181,8 +172,7 @@ class Decoder:
 
     def _forward(self, ids, mask, positions) -> torch.Tensor:
         # The mask is passed per layer type, so the model uses it as it is instead of building one.
-        backends = sdpa_kernel(WITHOUT_CUDNN) if ids.is_cuda else nullcontext()
-        with attention_implementation(self.model, ATTENTION), backends:
+        with attention_implementation(self.model, ATTENTION):
             out = self.model(input_ids=ids, attention_mask={"full_attention": mask}, position_ids=positions,
                              past_key_values=self.cache, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1]

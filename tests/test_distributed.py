@@ -201,6 +201,31 @@ def test_gpu_only_options_stop_with_a_message_on_a_cpu(flag):
         shard_model(tiny_actor()[1], **{flag: True})
 
 
+def test_a_process_on_a_gpu_keeps_cudnn_out_of_attention(monkeypatch):
+    """cuDNN plans each new attention shape (~40 ms on an H200), and a run's shapes are new at every
+    micro-batch and decoding step: init_distributed turns it off where it puts the process on a GPU.
+    The GPU and the process group are faked; only the SDPA flag is real."""
+    import torch.distributed as dist
+
+    import fsdp_utils
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
+    monkeypatch.setattr(fsdp_utils, "_gloo_threads", False)
+    for name, fake in (("is_initialized", lambda: True), ("get_backend", lambda: "nccl"),
+                       ("get_rank", lambda: 0), ("get_world_size", lambda: 1)):
+        monkeypatch.setattr(dist, name, fake)
+    was_on = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    try:
+        info = fsdp_utils.init_distributed()
+        assert info.device == torch.device("cuda", 0)
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(was_on)
+
+
 def test_one_process_on_a_group_of_one_rank_trains_as_the_plain_model(tmp_path):
     """The path one GPU takes, run here on gloo: FSDP2 over a 1-rank group (with and without
     activation checkpointing) gives exactly the plain model's PPO update."""
