@@ -14,7 +14,8 @@
 #   4. only where vLLM imports: vLLM on the GPU (bf16, sleep mode), weight sync, FSDP2 with CPU
 #      offload (two GPUs: tensor parallel 2 under torchrun);
 #   5. the memory plan of the 32B preset;
-#   6. bench/rollout_bench.py on the GPU: `generate` against the fast HF path (bf16, pi_SFT's shape,
+#   6. bench/sdpa_shapes_bench.py (SDPA's cost of a new shape, with cuDNN and without), then
+#      bench/rollout_bench.py on the GPU: `generate` against the fast HF path (bf16, pi_SFT's shape,
 #      64 x up to 300 tokens, with EOS and without), and where each spends its host and GPU time.
 # GPU time is scarce, so one failed part does not stop the others: each part runs on its own, each
 # command in it bounded by the part's time limit, and a summary of every part's result and seconds
@@ -49,14 +50,14 @@ EOF
 if [ "$DRY" = 1 ]; then
   echo "== DRY RUN on the CPU: tiny shapes, no GPU figures"
   GPU_FLAGS=(--no-mixed-precision) ; MFU_FLAGS=(--dry-run --rows 4 --repeats 1) ; GAE_FLAGS=(--device cuda --dry-run) ; HAVE_VLLM=0
-  ROLLOUT_FLAGS=(--models tiny --prompts 4 --new-tokens 8 --repeats 1)
+  ROLLOUT_FLAGS=(--models tiny --prompts 4 --new-tokens 8 --repeats 1) ; SDPA_FLAGS=(--device cpu --shapes 4)
   PIPELINE=(--sft-steps 4 --task-train-size 64 --task-eval-size 4 --prompts-per-step 4 --samples-per-prompt 2
             --max-new-tokens 24 --micro-batch-size 3 --num-minibatches 2 --eval-samples 2 --value-pretrain-steps 1 --steps 2)
 else
   nvidia-smi --query-gpu=name,memory.total --format=csv
   # never empty: "${A[@]}" of an empty array is an unbound variable under set -u before bash 4.4
   GPU_FLAGS=(--mixed-precision) ; MFU_FLAGS=(--repeats 2) ; GAE_FLAGS=(--device cuda)
-  ROLLOUT_FLAGS=(--device cuda --models sft --new-tokens 300 --repeats 2)
+  ROLLOUT_FLAGS=(--device cuda --models sft --new-tokens 300 --repeats 2) ; SDPA_FLAGS=(--device cuda)
   PIPELINE=(--sft-steps 100 --value-pretrain-steps 3 --steps 3)
 fi
 "$PY" -c 'import torch, transformers, numba; print(f"torch {torch.__version__} (CUDA: {torch.cuda.is_available()}), transformers {transformers.__version__}, numba {numba.__version__}")'
@@ -188,6 +189,8 @@ part5() {
 
 part6() {
   echo "== part 6: sampling on the GPU, Hugging Face generate against the fast HF path (bf16)"
+  echo "-- what a new (rows, keys) shape costs a decoding step's SDPA, with cuDNN and without"
+  bounded "$PY" bench/sdpa_shapes_bench.py "${SDPA_FLAGS[@]}"
   echo "-- rows stop at their EOS (the fast path's batch shrinks), then every row runs to the limit; each profiled"
   bounded "$PY" bench/rollout_bench.py "${ROLLOUT_FLAGS[@]}" --backends hf hf-fast --profile
   bounded "$PY" bench/rollout_bench.py "${ROLLOUT_FLAGS[@]}" --backends hf hf-fast --no-eos --profile

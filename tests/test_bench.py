@@ -1,5 +1,6 @@
 """The benchmarks' own code, run on the CPU: bench/mfu_bench.py's dry run and its FLOP count, and
-bench/rollout_bench.py's profile, and bench/gpu_smoke.sh's check of its part names."""
+bench/rollout_bench.py's profile, bench/sdpa_shapes_bench.py, and bench/gpu_smoke.sh's check of its part
+names."""
 
 import os
 import re
@@ -143,3 +144,16 @@ def test_gpu_smoke_refuses_an_unknown_part_before_running_any():
     assert done.returncode == 2
     assert "error: GPU_SMOKE_PARTS: no part 4b (parts are 0-6)" in done.stdout
     assert "== part 5" not in done.stdout and "summary" not in done.stdout
+
+
+def test_sdpa_shapes_bench_times_new_and_seen_shapes_under_each_backend_set(capsys):
+    import sdpa_shapes_bench
+
+    results = sdpa_shapes_bench.main(["--device", "cpu", "--shapes", "3"])
+    assert set(results) == {"default", "without cuDNN"}  # no cuDNN on a CPU
+    for r in results.values():
+        assert 0 < r["first_ms"] <= r["first_max_ms"] <= r["total_first_ms"] and r["again_ms"] > 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    d, w = results["default"], results["without cuDNN"]
+    assert last == (f"sdpa_new_shape first_ms={d['first_ms']:.3f},{w['first_ms']:.3f} "
+                    f"again_ms={d['again_ms']:.3f},{w['again_ms']:.3f}")
