@@ -37,7 +37,8 @@ def init_distributed(cpu_collectives: bool = False) -> DistInfo:
     """Join torchrun's process group (nccl on GPU, gloo on CPU). Without torchrun: on a GPU, a
     group of this one process (`launch_as_one_rank`); on the CPU, the single process, no group.
     cpu_collectives (--cpu-offload): on GPUs, gloo too for tensors on the CPU, such as the partial
-    gradient norms of offloaded shards that clip_grad_norm_ all-reduces (NCCL has no CPU backend)."""
+    gradient norms of offloaded shards that clip_grad_norm_ all-reduces (NCCL has no CPU backend).
+    On a GPU it also keeps cuDNN out of the process's SDPA (`attention_without_cudnn`)."""
     global _gloo_threads
     if "RANK" not in os.environ and torch.cuda.is_available():
         launch_as_one_rank()
@@ -58,12 +59,9 @@ def init_distributed(cpu_collectives: bool = False) -> DistInfo:
 
 def attention_without_cudnn() -> None:
     """Keep cuDNN out of this process's SDPA (FlashAttention, memory-efficient or math serve it).
-    cuDNN builds an execution plan on the host for each new shape, and a run meets new shapes all the
-    time: every micro-batch has its own padded length, every decoding step its own key length, and
-    `hf-fast` its own number of rows. Measured on an H200 (torch 2.11, README "What was tested
-    where"): a new decoding-step shape cost SDPA ~40 ms with cuDNN against ~0.2 ms without, and the
-    PPO update of bench/mfu_bench.py on new lengths every step reached MFU 0.221 without cuDNN
-    against 0.178 with it (0.227 against 0.239 where one batch's shapes recur)."""
+    cuDNN builds a plan on the host for each new shape, and a run's shapes are new at every
+    micro-batch and decoding step: on an H200 that cost more than it saved (README, "What was
+    tested where")."""
     torch.backends.cuda.enable_cudnn_sdp(False)
 
 

@@ -5,10 +5,11 @@ decoding step its own key length, and `--rollout hf-fast` its own number of rows
 kernel library that builds a plan per shape (cuDNN does, on the host) pays for each one. This times
 one decoding step's SDPA in pi_SFT's shape (2 query heads over 1 key/value head of 64, the float key
 mask the decode loops pass, `enable_gqa`), --shapes shapes with rows shrinking from 64 and a new key
-length each time, under each set of SDPA backends: torch's default choice, the set without cuDNN
-that train.py uses on a GPU (`fsdp_utils.attention_without_cudnn`), and on CUDA cuDNN alone. Each set
-gets key lengths (~300) no other set met. On the GPU in bf16, synchronised around every call; on the CPU
-(--device cpu, a check of the code) in fp32, where cuDNN does not exist.
+length each time, under each set of SDPA backends: torch's default choice, the backends train.py
+leaves SDPA on a GPU (all but cuDNN: `fsdp_utils.attention_without_cudnn`), and on CUDA cuDNN alone.
+Each set loads its kernels on a shape outside the timed ones first, then meets key lengths (~300) no other set
+met; a set this machine cannot run is reported and skipped. On the GPU in bf16, synchronised around
+every call; on the CPU (--device cpu, a check of the code) in fp32, where cuDNN does not exist.
 The last line:
     sdpa_new_shape first_ms=<default>,<without cuDNN> again_ms=<default>,<without cuDNN>
 
@@ -59,15 +60,21 @@ def main(argv=None) -> dict:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--shapes", type=int, default=64, help="new (rows, keys) shapes per backend set, rows 64 down")
     args = p.parse_args(argv)
+    if args.shapes < 1:
+        raise SystemExit("error: --shapes must be >= 1")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: no CUDA device here (--device cpu runs the code on the CPU)")
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     names = [n for n in BACKENDS if args.device == "cuda" or n != "cuDNN only"]
-    decoding_attention(8, 8, args.device, dtype)()  # the first call of all loads the kernels
     results = {}
     for i, name in enumerate(names):
         first, again = [], []
         with sdpa_kernel(BACKENDS[name]) if BACKENDS[name] else nullcontext():
+            try:  # this set's kernels loaded, on a shape outside the timed ones
+                decoding_attention(8, 8, args.device, dtype)()
+            except RuntimeError as e:  # e.g. no cuDNN attention on this GPU
+                print(f"{name:>13}: unavailable here ({str(e).splitlines()[0]})")
+                continue
             for j in range(args.shapes):
                 rows, keys = max(64 - j, 1), 300 + 3 * j + i  # interleaved: lengths no other set meets
                 call = decoding_attention(rows, keys, args.device, dtype)
