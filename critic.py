@@ -32,7 +32,7 @@ from support.rundir import build_once, check_stage, input_files, write_json
 from sampling import Sampler
 
 
-def load_value_model(path: str, head_init_std: float | None = None, seed: int = 0, device=None, **shard_options):
+def load_value_model(path: str, head_init_std: float = 0.02, seed: int = 0, device=None, **shard_options):
     """A backbone + scalar head from `path`, in fp32 (`checkpoints.load_pretrained`: sharded by
     `shard_model(model, **shard_options)` under torchrun, without a whole model on any rank).
 
@@ -50,9 +50,9 @@ def load_value_model(path: str, head_init_std: float | None = None, seed: int = 
                             device=device, **shard_options)
     if not has_head and is_main():  # expected, and said in one line (transformers' report is held back)
         tqdm.write(f"critic: a fresh value head (score.weight, score.bias) on the backbone of {path}")
-    if not has_head or head_init_std is not None:
-        std = 0.02 if head_init_std is None else head_init_std
-        weight = torch.empty(model.score.weight.shape).normal_(0.0, std, generator=torch.Generator().manual_seed(seed))
+    if not has_head:
+        weight = torch.empty(model.score.weight.shape).normal_(0.0, head_init_std,
+                                                               generator=torch.Generator().manual_seed(seed))
         copy_local_rows(model.score.weight, weight)
         copy_local_rows(model.score.bias, torch.zeros(model.score.bias.shape))
     return model
@@ -125,6 +125,8 @@ def train_orm(model, batches: list[RolloutBatch], outcomes: list[torch.Tensor], 
     per-row (per-pair) losses are divided by the global count and FSDP sums the gradients, so the step
     is the single-process one.
     """
+    if loss not in ("mse", "bradley-terry"):
+        raise ValueError(f"train_orm: loss must be 'mse' or 'bradley-terry', got {loss!r}")
     if len(batches) != len(outcomes) or not batches:
         raise ValueError(f"train_orm: need as many outcome tensors as batches (>0); got "
                          f"{len(batches)} batches, {len(outcomes)} outcome tensors")

@@ -117,7 +117,7 @@ def decoupled_gae(rewards, values, mask, gamma=1.0, lam_actor=0.95, lam_critic=1
 def length_adaptive_lambda(lengths, alpha=0.05):
     """VAPO's per-response lambda = 1 - 1/(alpha l), clamped to [0, 1] (short responses get 0)."""
     lengths = torch.as_tensor(lengths)
-    if lengths.dim() != 1 or (lengths.numel() and lengths.min() < 0):
+    if lengths.dim() != 1 or (lengths.numel() and not (lengths >= 0).all()):  # NaN fails >= 0 too
         raise ValueError(f"lengths must be a 1-D tensor of non-negative lengths, got {lengths}")
     if not alpha > 0:
         raise ValueError(f"alpha must be > 0, got {alpha}")

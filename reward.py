@@ -67,7 +67,8 @@ def last_boxed(text: str) -> str | None:
         return None
     start = k = opens[-1].end()
     if not opens[-1].group().endswith("{"):
-        return _UNBRACED.match(text, start).group().rstrip(".,;:") or None
+        unbraced = _UNBRACED.match(text, start)  # none where the space is followed by `$`: an empty box
+        return (unbraced.group().rstrip(".,;:") or None) if unbraced else None
     depth = 1
     while k < len(text):
         if text[k] == "\\":  # an escape: \{ and \} are literal braces (sets), \\ a line break
@@ -331,10 +332,15 @@ def response_outcomes(verdicts, truncated, truncation_reward: float | None):
 
 
 def terminal_rewards(outcomes, response_mask):
-    """[B, T] token rewards: outcomes[b] on response b's last token t = L_b - 1, 0 elsewhere."""
-    rewards = response_mask.new_zeros(response_mask.shape)
-    last = response_mask.sum(-1).long() - 1
-    rewards[last.new_tensor(list(range(len(last)))), last] = outcomes
+    """[B, T] token rewards: outcomes[b] on response b's last token t = L_b - 1, 0 elsewhere (an
+    empty response has no token to reward, so its row stays 0, as padding must)."""
+    lengths = response_mask.sum(-1).long()
+    if tuple(outcomes.shape) != tuple(lengths.shape):
+        raise ValueError(f"outcomes must hold one value per response, shape {tuple(lengths.shape)}; "
+                         f"got {tuple(outcomes.shape)}")
+    rewards = response_mask.new_zeros(response_mask.shape, dtype=outcomes.dtype)
+    rows = (lengths > 0).nonzero().squeeze(-1)
+    rewards[rows, lengths[rows] - 1] = outcomes.to(rewards.device)[rows]
     return rewards
 
 

@@ -65,13 +65,3 @@ def masked_mean(x, mask, dim=None):
     """Mean of x over mask; 0 where the mask is empty."""
     count = mask.sum() if dim is None else mask.sum(dim)
     return masked_sum(x, mask, dim) / count.clamp_min(1)
-
-
-def masked_var(x, mask, dim=None, unbiased=True):
-    """Variance of x over mask (Bessel-corrected if unbiased); 0 for fewer than two tokens."""
-    mean = masked_mean(x, mask, dim)
-    if dim is not None:
-        mean = mean.unsqueeze(dim)
-    count = mask.sum() if dim is None else mask.sum(dim)
-    sq_dev = masked_sum((x - mean) ** 2, mask, dim)
-    return sq_dev / ((count - 1) if unbiased else count).clamp_min(1)

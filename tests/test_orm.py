@@ -105,6 +105,8 @@ def test_train_orm_rejects_mismatched_outcomes(tmp_path, one_thread):
         train_orm(model, [batch], [outcomes[:3]], steps=1, lr=1e-3)
     with pytest.raises(ValueError, match="outcome tensors"):
         train_orm(model, [batch, batch], [outcomes], steps=1, lr=1e-3)
+    with pytest.raises(ValueError, match="loss must be"):  # not Bradley-Terry by default for a typo
+        train_orm(model, [batch], [outcomes], steps=1, lr=1e-3, loss="MSE")
 
 
 class FixedGrader:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import reward
-from reward import Grader, last_boxed, rule_reward
+from reward import Grader, last_boxed, rule_reward, terminal_rewards
 
 # Shipped with the tests (its README: source and license). Read at import: a missing file fails
 # the collection of this module instead of skipping its tests.
@@ -58,6 +58,12 @@ def test_missing_unclosed_or_empty_box_scores_minus_one():
     assert rule_reward("the answer is 4", "4") == -1.0
     assert rule_reward("\\boxed{4} then truncated \\boxed{4", "4") == -1.0
     assert rule_reward("\\boxed{}", "4") == -1.0
+    # TeX's unbraced box followed by math, not a number: an empty last box, not a crash of the grader
+    for response in ["\\boxed $5$", "$\\boxed $", "\\boxed\n$5$", "\\boxed{5} then \\boxed $5$"]:
+        assert last_boxed(response) is None
+        assert rule_reward(response, "5") == -1.0
+    with Grader(num_workers=1) as grader:
+        assert grader.grade(["\\boxed $5$", "\\boxed{5}"], ["5", "5"]).outcomes == [-1.0, 1.0]
 
 
 def test_nested_braces_and_fbox_are_extracted():
@@ -269,3 +275,14 @@ def test_an_answer_left_by_an_interrupted_call_does_not_land_in_the_next_one(mon
         result = grader.grade(["no box here"], ["1"])  # decided without the worker: -1
         assert result.outcomes == [-1.0] and result.num_missing_box == 1
         assert grader.grade(["\\boxed{\\frac14}"], ["0.25"]).outcomes == [1.0]  # and the pool still grades
+
+
+def test_terminal_rewards_put_each_outcome_on_its_last_token_and_nothing_on_padding():
+    import torch
+
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0], [0, 0, 0]], dtype=torch.bool)  # the last response is empty
+    rewards = terminal_rewards(torch.tensor([1.0, -1.0, 1.0]), mask)
+    assert rewards.dtype == torch.float32
+    assert rewards.tolist() == [[0.0, 0.0, 1.0], [-1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
+    with pytest.raises(ValueError, match="one value per response"):
+        terminal_rewards(torch.tensor([1.0, -1.0]), mask)
