@@ -418,10 +418,15 @@ def run(cfg: Config, dist_info) -> dict:
             log.write(step, metrics)
             bar.set_postfix(acc=f"{metrics['reward/accuracy']:.2f}", len=f"{metrics['response_length/mean']:.0f}")
             preempted = preemption.requested()
-            if preempted or (step + 1) % cfg.save_every == 0 or last:
+            saved = preempted or (step + 1) % cfg.save_every == 0 or last
+            if saved:
                 rundir.save(cfg, run_dir, step, models, optimizers, schedulers)
             if snapshot_due(cfg, step + 1):
                 export_into_run(cfg, models["actor"], tokenizer, run_dir, snapshot_path(run_dir, step + 1))
+            if not (preempted or last) and preemption.requested():  # signalled during the save or the export:
+                if not saved:  # stop now, not after one more step
+                    rundir.save(cfg, run_dir, step, models, optimizers, schedulers)
+                preempted = True
             if preempted:
                 raise preemption.stop(f"preempted at step {step}: saved {run_dir}/checkpoint")
 

@@ -344,8 +344,15 @@ def resume(cfg, run_dir: str, models: dict, optimizers: dict, schedulers: list) 
                        f"samples differently than the uninterrupted run would have")
         return start
     if (found := checkpoints.saved_checkpoints(ckpt)) or cfg.resume:  # found: --overwrite (check)
-        tqdm.write(f"{'found' if found else 'no checkpoint at'} {ckpt}: PPO starts at step 0, and replaces "
-                   f"{'it and ' if found else ''}{run_dir}/metrics.jsonl")
+        tqdm.write(f"{'found' if found else 'no checkpoint at'} {ckpt}: PPO starts at step 0"
+                   f"{', removing it' if found else ''}, and replaces {run_dir}/metrics.jsonl")
+    if cfg.overwrite:  # nothing of the replaced run stays to be resumed from, or taken for this one's end
+        checkpoints.remove_checkpoint(ckpt)
+        if fsdp_utils.is_main():
+            for name in ("summary.json", "actor_hf", "actor_hf_steps"):
+                path = os.path.join(run_dir, name)
+                shutil.rmtree(path) if os.path.isdir(path) else Path(path).unlink(missing_ok=True)
+        fsdp_utils.barrier()
     return 0
 
 

@@ -204,6 +204,29 @@ def test_a_rerun_without_resume_is_refused_rather_than_started_over_and_overwrit
     assert checkpoints.checkpoint_extra(str(run_dir / "checkpoint"))["step"] == 0
 
 
+def test_an_overwrite_stopped_before_its_first_save_leaves_nothing_of_the_old_run_to_resume(base, tmp_path,
+                                                                                            monkeypatch):
+    """--overwrite kept the old run's checkpoints, summary.json and actor_hf until its first save: killed
+    before it, a --resume went on from the old run's last step (metrics steps [0, 4, 5]), and the old
+    summary.json called the half-done rerun finished."""
+    moved = moved_copy(base, tmp_path)
+    run_dir = moved / "base"
+    assert (run_dir / "summary.json").exists() and (run_dir / "actor_hf").is_dir()
+    real_step = train.ppo_step
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt  # as a kill during the first step would stop it
+
+    monkeypatch.setattr(train, "ppo_step", killed)
+    with pytest.raises(KeyboardInterrupt):
+        train.main(micro_config(moved, "--run-name", "base", "--steps", "4", "--overwrite", *FLAGS))
+    assert checkpoints.saved_checkpoints(str(run_dir / "checkpoint")) == []
+    assert not rundir.finished(str(run_dir)) and not (run_dir / "actor_hf").exists()
+    monkeypatch.setattr(train, "ppo_step", real_step)
+    train.main(micro_config(moved, "--run-name", "base", "--steps", "2", "--resume", *FLAGS))
+    assert [r["step"] for r in read_metrics(run_dir)] == [0, 1]
+
+
 def test_a_read_only_out_dir_is_refused_before_any_model_loads(tmp_path, monkeypatch):
     """Item 6: an OSError [Errno 30] traceback after model loading. Faked at the first write (the
     tests run as root, for whom no directory is read-only)."""
@@ -246,6 +269,27 @@ def test_sigint_saves_and_stops_a_moved_run_resumed_with_other_save_and_memory_s
     assert checkpoints.checkpoint_extra(str(run_dir / "checkpoint"))["step"] == 4
     assert [r["step"] for r in read_metrics(run_dir)] == [0, 1, 2, 3, 4]
     assert signal.getsignal(signal.SIGINT) is before  # handlers given back
+
+
+def test_a_signal_during_a_save_stops_the_run_after_that_step_not_the_next(base, tmp_path, monkeypatch, capsys):
+    """A signal that came while a step's checkpoint was written was first read after the next whole
+    step (rollout, update, evaluation, another save): at scale, past the scheduler's grace period."""
+    moved = moved_copy(base, tmp_path)
+    real_save = rundir.save
+
+    def save(cfg, run_dir, step, *args):
+        real_save(cfg, run_dir, step, *args)
+        if step == 4:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(rundir, "save", save)
+    with pytest.raises(preemption.Preempted) as stopped:
+        resume(moved, "--steps", "7")
+    assert stopped.value.exit_code == 143
+    run_dir = moved / "base"
+    assert f"preempted at step 4: saved {run_dir}/checkpoint" in capsys.readouterr().out
+    assert [r["step"] for r in read_metrics(run_dir)] == [0, 1, 2, 3, 4]
+    assert checkpoints.checkpoint_extra(str(run_dir / "checkpoint"))["step"] == 4
 
 
 def signal_in_pretraining_step(at: int, monkeypatch) -> None:
