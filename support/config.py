@@ -249,6 +249,17 @@ class Config:
              "--length-adaptive-alpha sets lambda_actor per response", set_here(("lam_actor",))),
             (self.rollout != "vllm", f"--rollout {self.rollout} runs no vLLM",
              set_here(("tensor_parallel_size", "gpu_memory_utilization"))),
+            (self.estimator == "gae" and self.critic_init != "rm", "without --critic-init rm no reward model is trained",
+             set_here(("orm_batches", "orm_steps", "orm_lr", "orm_loss"))),
+            (self.estimator == "gae" and self.value_pretrain_steps == 0, "--value-pretrain-steps 0 pretrains nothing",
+             set_here(("plateau_window", "plateau_rel_tol", "plateau_ev_tol"))),
+            (not self.kl_coef, "without --kl-coef there is no KL term", set_here(("kl_estimator",))),
+            (not self.activation_checkpointing, "without --activation-checkpointing nothing is recomputed",
+             set_here(("checkpoint_fraction",))),
+            (self.micro_batch_tokens is not None, "--micro-batch-tokens sizes the micro-batches",
+             set_here(("micro_batch_size",))),
+            (self.data is not None and self.val_data is not None, "--val-data is the held-out set",
+             set_here(("eval_fraction",))),
         ]
         return [f"{why}: {', '.join(flags)} change{'s' if len(flags) == 1 else ''} nothing"
                 for applies, why, flags in groups if applies and flags]
@@ -353,6 +364,7 @@ class Config:
             "orm_steps": (self.orm_steps >= 1, ">= 1"),
             "plateau_window": (self.plateau_window >= 1, ">= 1"),
             "plateau_rel_tol": (self.plateau_rel_tol >= 0, ">= 0"),
+            "plateau_ev_tol": (self.plateau_ev_tol >= 0, ">= 0"),
             "grader_workers": (self.grader_workers >= 1, ">= 1"),
             "grader_timeout_s": (self.grader_timeout_s > 0, "> 0"),
             "eval_samples": (self.eval_samples >= 1, ">= 1"),

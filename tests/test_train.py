@@ -567,12 +567,25 @@ def test_flags_that_another_flag_makes_meaningless_are_named(tmp_path):
     data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
     assert notes("--model", "m", "--data", str(data), "--task-eval-size", "4", "--sft-steps", "3", "--eval-fraction", "0.2") == [
         "--data replaces the built-in task: --task-eval-size 4 changes nothing", "--model is pi_SFT: --sft-steps 3 changes nothing"]
+    assert notes("--model", "m", "--data", str(data), "--val-data", str(data), "--eval-fraction", "0.2") == [
+        "--val-data is the held-out set: --eval-fraction 0.2 changes nothing"]
     assert notes("--prompt-key", "question", "--eval-fraction", "0.2") == [
         "without --data the run trains on the built-in task: --prompt-key question, --eval-fraction 0.2 change nothing"]
     assert notes("--length-adaptive-alpha", "0.05", "--lam-actor", "0.5") == [
         "--length-adaptive-alpha sets lambda_actor per response: --lam-actor 0.5 changes nothing"]
     assert notes("--gpu-memory-utilization", "0.8") == ["--rollout hf-fast runs no vLLM: --gpu-memory-utilization 0.8 changes nothing"]
     assert notes("--rollout", "vllm", "--gpu-memory-utilization", "0.8") == []
+    assert notes("--orm-steps", "7", "--plateau-window", "3", "--value-pretrain-steps", "0", "--kl-estimator", "k1",
+                 "--checkpoint-fraction", "0.5", "--micro-batch-tokens", "512", "--micro-batch-size", "4") == [
+        "without --critic-init rm no reward model is trained: --orm-steps 7 changes nothing",
+        "--value-pretrain-steps 0 pretrains nothing: --plateau-window 3 changes nothing",
+        "without --kl-coef there is no KL term: --kl-estimator k1 changes nothing",
+        "without --activation-checkpointing nothing is recomputed: --checkpoint-fraction 0.5 changes nothing",
+        "--micro-batch-tokens sizes the micro-batches: --micro-batch-size 4 changes nothing"]
+    assert notes("--critic-init", "rm", "--orm-steps", "7", "--kl-coef", "0.1", "--kl-estimator", "k1",
+                 "--activation-checkpointing", "--checkpoint-fraction", "0.5") == []
+    with pytest.raises(config.ConfigError, match=r"--plateau-ev-tol = -5.0 \(must be >= 0"):
+        config.parse_config(["--plateau-ev-tol", "-5"])
     with pytest.raises(config.ConfigError, match=r"--gpu-memory-utilization = 1.0 \(must be in \(0, 1\): the trainer"):
         config.parse_config(["--gpu-memory-utilization", "1.0"])  # --plan's arithmetic had raised a traceback
 
