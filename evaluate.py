@@ -17,7 +17,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from support.data import stream_seed
-from fsdp_utils import distributed, rank, world_size
+from fsdp_utils import any_rank, distributed, is_main, rank, world_size
 from support.rundir import read_json, write_json
 from sampling import Sampler
 
@@ -46,9 +46,11 @@ def evaluate(sampler: Sampler, records: list[dict], tag: str) -> dict:
     n = cfg.eval_samples
     mine, counts = share_of_records(len(records), rank(), world_size())
     todo = [(i, c) for i, c in zip(mine, counts) for _ in range(n)]  # each prompt n times, side by side
-    chunk = max(n, (cfg.prompts_per_step * cfg.samples_per_prompt) // n * n)
+    rows = cfg.prompts_per_step // world_size() * cfg.samples_per_prompt  # a training rollout's, on this rank
+    chunk = max(n, rows // n * n)
     samples = []  # (record index, correct, length, truncated, text) of every sample that counts
-    for start in tqdm(range(0, len(todo), chunk), desc=f"eval {tag}", dynamic_ncols=True, leave=False):
+    for start in tqdm(range(0, len(todo), chunk), desc=f"eval {tag}", dynamic_ncols=True, leave=False,
+                      disable=not is_main()):
         part = todo[start : start + chunk]
         scored = sampler.sample_and_score([records[i] for i, _ in part], stream_seed(cfg.seed, "eval/sampling", start))
         batch = scored.batch
@@ -124,7 +126,7 @@ def eval_sampler(sampler: Sampler) -> Sampler:
 def evaluate_once(sampler: Sampler, records: list[dict], tag: str, path: str) -> dict:
     """`evaluate`, computed once and kept at `path` (pi_SFT's scores: a resumed 32B run would
     otherwise sample the whole held-out set again); deterministic, like every draw here."""
-    if os.path.exists(path):
+    if not any_rank(not os.path.exists(path)):  # every rank sees it (a shared filesystem may lag): all read
         return read_json(path, "delete it to evaluate pi_SFT again")
     result = json.loads(json.dumps(evaluate(sampler, records, tag)))  # as it will be read back
     if rank() == 0:

@@ -391,7 +391,7 @@ def run(cfg: Config, dist_info) -> dict:
         sampler.engine.sync_weights(models["actor"])  # the rollout engine samples from the restored actor
         # The snapshot of the step resumed from, if its export failed after the checkpoint was saved,
         # or if that step was then the run's last (exported only as actor_hf, which this run replaces).
-        if snapshot_due(cfg, start) and not os.path.isdir(snapshot_path(run_dir, start)):
+        if snapshot_due(cfg, start) and fsdp_utils.any_rank(not os.path.isdir(snapshot_path(run_dir, start))):
             export_into_run(cfg, models["actor"], tokenizer, run_dir, snapshot_path(run_dir, start))
     log = rundir.MetricsLog(run_dir, keep_up_to_step=start - 1, wandb_project=cfg.wandb_project,
                             config=dataclasses.asdict(cfg))

@@ -154,8 +154,9 @@ class Config:
 
     # --- rollout
     rollout: Literal["hf", "hf-fast", "vllm"] = "hf-fast"
-    """generation backend: the model itself through fast_rollout.py's decode loop (~2x `generate` on a
-    CPU), HF `generate` (what the runs of RESULTS.md used), or vLLM (the GPU presets)"""
+    """generation backend: hf-fast, the model itself through fast_rollout.py's decode loop (~2x
+    `generate` on a CPU, slower on a GPU); hf, HF `generate` (what the runs of RESULTS.md used, and
+    faster on a GPU); vllm, vLLM (the GPU presets)"""
     max_new_tokens: int = 400
     """response length limit"""
     temperature: float = 1.0

@@ -42,6 +42,12 @@ from typing import Iterator, Literal
 SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
+def _say(text: str) -> None:
+    """Print on rank 0 only (torchrun's RANK: this module loads no torch), not once per rank."""
+    if os.environ.get("RANK", "0") == "0":
+        print(text)
+
+
 @dataclass
 class LoadStats:
     loaded: int = 0  # records returned
@@ -422,7 +428,7 @@ def _built_in_task(cfg, tokenizer) -> tuple[list[dict], list[dict]]:
     # Both sets are drawn from one pool: said, not hidden (a narrow --task-difficulty shrinks the pool).
     training = {r["prompt"] for r in records["train"]}
     if seen := sum(r["prompt"] in training for r in records["eval"]):
-        print(f"note: {seen} of the {len(records['eval'])} held-out problems are also RL training problems "
+        _say(f"note: {seen} of the {len(records['eval'])} held-out problems are also RL training problems "
               f"(both drawn from the {(hi - lo + 1) * 9 * 10 ** (width - 1):,} problems of k in [{lo}, {hi}])")
     return records["train"], records["eval"]
 
@@ -442,7 +448,7 @@ def _sets_apart(sets: list[list[dict]], specs: tuple[str, ...]) -> list[dict]:
                 r["data_source"] = f"{folder}/{old}" if folder and folders.count(folder) == 1 else f"{old}#{i + 1}"
                 renamed[r["data_source"]] = old
     if renamed:
-        print(f"data: --val-data sets named alike are reported apart: "
+        _say(f"data: --val-data sets named alike are reported apart: "
               f"{', '.join(f'{old} -> {new}' for new, old in sorted(renamed.items()))}")
     return [r for records in sets for r in records]
 
@@ -451,7 +457,7 @@ def _load(cfg, spec: str, tokenizer, prompt_key: str, answer_key: str, answer_fo
     """The records of one --data or --val-data value, with the run's template and this answer format."""
     records, stats = load_records(spec, tokenizer, prompt_key, answer_key, cfg.max_prompt_tokens,
                                   "skip" if cfg.skip_bad_records else "raise", cfg.prompt_template, answer_format)
-    print(f"data: {stats.loaded} records from {spec} ({stats.skipped_malformed} malformed skipped, "
+    _say(f"data: {stats.loaded} records from {spec} ({stats.skipped_malformed} malformed skipped, "
           f"{stats.dropped_too_long} over {cfg.max_prompt_tokens} tokens dropped)")
     if not records:
         raise DataError(f"{spec}: no usable records")

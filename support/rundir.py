@@ -338,12 +338,13 @@ def resume(cfg, run_dir: str, models: dict, optimizers: dict, schedulers: list) 
         start, saved_world, world = extra["step"] + 1, extra.get("world_size", 1), fsdp_utils.world_size()
         for scheduler, state in zip(schedulers, extra["schedulers"]):
             scheduler.load_state_dict(state)
-        tqdm.write(f"resumed from {found} at step {start}")
-        if saved_world != world:  # each rank samples its own share
+        if fsdp_utils.is_main():
+            tqdm.write(f"resumed from {found} at step {start}")
+        if saved_world != world and fsdp_utils.is_main():  # each rank samples its own share
             tqdm.write(f"note: world size {world}, checkpoint written at {saved_world}: the rest of the run "
                        f"samples differently than the uninterrupted run would have")
         return start
-    if (found := checkpoints.saved_checkpoints(ckpt)) or cfg.resume:  # found: --overwrite (check)
+    if ((found := checkpoints.saved_checkpoints(ckpt)) or cfg.resume) and fsdp_utils.is_main():  # found: --overwrite
         tqdm.write(f"{'found' if found else 'no checkpoint at'} {ckpt}: PPO starts at step 0"
                    f"{', removing it' if found else ''}, and replaces {run_dir}/metrics.jsonl")
     if cfg.overwrite:  # nothing of the replaced run stays to be resumed from, or taken for this one's end

@@ -445,6 +445,22 @@ def test_held_out_problems_of_the_built_in_task_that_are_also_training_problems_
             f"problems of k in [46, 48])") in capsys.readouterr().out
 
 
+
+def test_what_the_data_says_is_said_once_under_torchrun_by_rank_0(capsys, monkeypatch):
+    """Every rank loads the data: its notes came once per rank (16 times on 2 x 8 GPUs)."""
+    from support.config import parse_config
+    from support.data import prepare_data
+    from support import task
+
+    cfg, tokenizer = parse_config(["--task-difficulty", "46", "48"]), task.build_tokenizer()
+    monkeypatch.setenv("RANK", "1")
+    prepare_data(cfg, tokenizer)
+    assert capsys.readouterr().out == ""
+    monkeypatch.setenv("RANK", "0")
+    prepare_data(cfg, tokenizer)
+    assert "held-out problems are also RL training problems" in capsys.readouterr().out
+
+
 def test_a_prompt_limit_below_the_built_in_tasks_prompts_is_refused():
     """It was ignored: hf sampled them anyway, and vLLM, sized by it, stopped at the first rollout
     with a traceback."""
