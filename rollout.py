@@ -262,8 +262,11 @@ class HFRollout:
         is_eos = torch.isin(response, torch.tensor(self.stop_ids, device=response.device))
         after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
         response_mask = (~after_eos).float()
-        logits = torch.stack(out.logits, dim=1).float() / (1.0 if greedy else temperature)
-        logprobs = torch.gather(F.log_softmax(logits, -1), -1, response.unsqueeze(-1)).squeeze(-1)
+        scale = 1.0 if greedy else temperature
+        # Step by step: a [B, T, V] stack in fp32 (and its log-softmax) would be ~5 GB a row at 8k
+        # tokens of a 152k vocabulary, beside the logits `generate` already keeps.
+        logprobs = torch.stack([F.log_softmax(step.float() / scale, -1).gather(-1, response[:, t, None]).squeeze(-1)
+                                for t, step in enumerate(out.logits)], dim=1)
         finish = ["stop" if row.any() else "length" for row in is_eos]
         return RolloutBatch(
             prompt_ids=ids,
