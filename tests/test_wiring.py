@@ -46,6 +46,7 @@ class ScriptedRollout:
 
     def generate(self, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, seed=None):
         assert len(prompt_ids) == len(self.responses)
+        self.prompts = [list(p) for p in prompt_ids]
         ids, prompt_mask = left_pad(prompt_ids, self.pad_id)
         width = max(map(len, self.responses))
         response = torch.full((len(ids), width), self.pad_id, dtype=torch.long)
@@ -155,13 +156,13 @@ def record_update_model(calls, metrics=None):
     return update_model
 
 
-def run_ppo_step(cfg, actor, critic, tokenizer, records, monkeypatch):
+def run_ppo_step(cfg, actor, critic, tokenizer, records, monkeypatch, reference=None, engine=None):
     calls = {}
     monkeypatch.setattr(train, "update_model", record_update_model(calls))
-    engine = ScriptedRollout(tokenizer)
+    engine = engine or ScriptedRollout(tokenizer)
     models = {"actor": actor} | ({"critic": critic} if critic is not None else {})
     sampler = Sampler(cfg, engine, tokenizer, ScriptedGrader())
-    metrics = train.ppo_step(cfg, 0, sampler, records, models, {name: None for name in models})
+    metrics = train.ppo_step(cfg, 0, sampler, records, models, {name: None for name in models}, reference)
     return engine.batch, calls, metrics
 
 
@@ -211,6 +212,23 @@ def test_ppo_step_without_whitening_passes_the_raw_gae_advantages(tokenizer, act
     advantages, _ = gae_reference(last_token_rewards(expected_scores(), mask), critic_values(critic, batch),
                                   mask, cfg.gamma, cfg.lam_actor)
     torch.testing.assert_close(calls["actor"].per_token["advantages"], advantages, atol=1e-5, rtol=1e-5)
+
+
+def test_ppo_step_takes_the_kl_terms_ref_logprobs_from_the_reference_policy(tokenizer, actor, records, monkeypatch):
+    """--kl-coef > 0: per_token["ref_logprobs"] = log pi_ref(y_t | s_t) of the frozen reference model
+    (its own full forward, at the rollout temperature), not of the actor being trained; the actor's
+    old log-probs stay the actor's."""
+    cfg = make_config(kl_coef=0.1, temperature=0.7)
+    reference = task.make_tiny_model(tokenizer, num_layers=1, hidden_size=64, num_heads=1, num_kv_heads=1,
+                                     intermediate_size=128, seed=5)
+    critic = TokenValueCritic(len(tokenizer), seed=1)
+    batch, calls, _ = run_ppo_step(cfg, actor, critic, tokenizer, records, monkeypatch, reference=reference)
+    per_token = calls["actor"].per_token
+    expected_ref, _ = full_forward_logprobs(reference, batch, cfg.temperature)
+    expected_old, _ = full_forward_logprobs(actor, batch, cfg.temperature)
+    assert (expected_ref - expected_old).abs().max() > 0.1  # the two models disagree: a mix-up cannot pass
+    torch.testing.assert_close(per_token["ref_logprobs"], expected_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(per_token["old_logprobs"], expected_old, atol=1e-5, rtol=1e-5)
 
 
 def test_ppo_critic_update_uses_the_value_loss_clipped_around_the_old_values(
