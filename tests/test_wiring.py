@@ -20,7 +20,7 @@ from support import task
 import train
 import value_pretrain
 from support.config import Config
-from gae import gae_reference
+from gae import gae_reference, length_adaptive_lambda
 from ppo import response_logprobs
 from rollout import RolloutBatch, left_pad
 from sampling import Sampler
@@ -229,6 +229,27 @@ def test_ppo_step_takes_the_kl_terms_ref_logprobs_from_the_reference_policy(toke
     assert (expected_ref - expected_old).abs().max() > 0.1  # the two models disagree: a mix-up cannot pass
     torch.testing.assert_close(per_token["ref_logprobs"], expected_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(per_token["old_logprobs"], expected_old, atol=1e-5, rtol=1e-5)
+
+
+def test_ppo_step_with_length_adaptive_alpha_gives_each_response_the_lambda_of_its_length(
+        tokenizer, actor, records, monkeypatch):
+    """--length-adaptive-alpha (VAPO): the actor's advantages are GAE with lambda = 1 - 1/(alpha L_b)
+    per response (gae.length_adaptive_lambda), not --lam-actor; the critic's targets keep lam_critic."""
+    alpha = 0.5  # lambdas 0.5 (4 tokens) to ~0.83 (12 tokens), far from lam_actor
+    cfg = make_config(lam_actor=0.95, lam_critic=1.0, length_adaptive_alpha=alpha, whiten_advantages=False)
+    critic = TokenValueCritic(len(tokenizer), seed=2)
+    batch, calls, _ = run_ppo_step(cfg, actor, critic, tokenizer, records, monkeypatch)
+    mask = batch.response_mask
+    rewards, values = last_token_rewards(expected_scores(), mask), critic_values(critic, batch)
+    lam = length_adaptive_lambda(batch.lengths, alpha)
+    assert len(set(lam.tolist())) > 1  # responses of several lengths: one lambda for all cannot pass
+    expected, _ = gae_reference(rewards, values, mask, cfg.gamma, lam=lam)
+    plain, _ = gae_reference(rewards, values, mask, cfg.gamma, cfg.lam_actor)
+    assert (expected - plain).abs().max() > 0.05
+    per_token = calls["actor"].per_token
+    torch.testing.assert_close(per_token["advantages"], expected, atol=1e-5, rtol=1e-5)
+    _, returns = gae_reference(rewards, values, mask, cfg.gamma, cfg.lam_critic)
+    torch.testing.assert_close(per_token["returns"], returns, atol=1e-5, rtol=1e-5)
 
 
 def test_ppo_critic_update_uses_the_value_loss_clipped_around_the_old_values(
