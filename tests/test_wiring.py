@@ -252,6 +252,32 @@ def test_ppo_step_with_length_adaptive_alpha_gives_each_response_the_lambda_of_i
     torch.testing.assert_close(per_token["returns"], returns, atol=1e-5, rtol=1e-5)
 
 
+def test_ppo_step_logs_the_truncated_share_the_prompt_length_and_the_mean_return_of_its_batch(
+        tokenizer, actor, records, monkeypatch):
+    """response_length/clip_ratio = the share of responses cut at max_new_tokens (FINISH: 2 of 6);
+    prompt_length/mean = the mean number of prompt tokens the engine was given (not the padded
+    width); critic/returns/mean = the token-mean of the critic's targets GAE(lam_critic) + V;
+    response_length/mean and /max from the scripted responses."""
+    cfg = make_config(lam_actor=0.5, lam_critic=0.9, gamma=0.99)
+    critic = TokenValueCritic(len(tokenizer), seed=6)
+    engine = ScriptedRollout(tokenizer)
+    batch, _, metrics = run_ppo_step(cfg, actor, critic, tokenizer, records, monkeypatch, engine=engine)
+    mask = batch.response_mask
+    assert metrics["response_length/clip_ratio"] == pytest.approx(FINISH.count("length") / len(FINISH))
+    prompt_lengths = [len(p) for p in engine.prompts]
+    assert len(set(prompt_lengths)) > 1  # ragged prompts: the padded width differs from the mean
+    assert metrics["prompt_length/mean"] == pytest.approx(sum(prompt_lengths) / len(prompt_lengths))
+    response_lengths = [len(r) for r in engine.responses]
+    assert metrics["response_length/mean"] == pytest.approx(sum(response_lengths) / len(response_lengths))
+    assert metrics["response_length/max"] == max(response_lengths)
+    values = critic_values(critic, batch)
+    _, returns = gae_reference(last_token_rewards(expected_scores(), mask), values, mask, cfg.gamma, cfg.lam_critic)
+    valid = mask.bool()
+    assert abs(returns[valid].mean() - values[valid].mean()) > 0.05  # the values' mean cannot pass for it
+    assert metrics["critic/returns/mean"] == pytest.approx(returns[valid].mean().item(), abs=1e-5)
+    assert metrics["critic/values_mean"] == pytest.approx(values[valid].mean().item(), abs=1e-5)
+
+
 def test_ppo_critic_update_uses_the_value_loss_clipped_around_the_old_values(
         tokenizer, actor, records, monkeypatch):
     """Eq. (2) with c = cfg.value_clip: 0.5 max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2),
