@@ -17,7 +17,21 @@ sys.path.insert(0, str(ROOT / "bench"))
 import mfu_bench  # noqa: E402
 
 
-def test_mfu_bench_dry_run_runs_the_update_with_every_lever_and_ends_with_its_line(capsys):
+def test_mfu_bench_dry_run_runs_the_update_with_every_lever_and_ends_with_its_line(capsys, monkeypatch):
+    """Each lever reaches the code it drives: --micro-batch-tokens cuts the batch into micro-batches
+    of up to 200 padded tokens (not one row each), --logprob-chunk-tokens reaches every
+    policy_forward (bare and PPO), --checkpoint-fraction 0.5 recomputes one of the two layers
+    (shard_model with activation checkpointing), --profile prints its table; then the result line."""
+    shard, forward = mfu_bench.fsdp_utils.shard_model, mfu_bench.train.policy_forward
+    sharded, forwards = [], []
+    monkeypatch.setattr(mfu_bench.fsdp_utils, "shard_model",
+                        lambda model, **options: sharded.append((options, shard(model, **options))) or sharded[-1][1])
+
+    def policy_forward(model, micro, *args, chunk_tokens=None, **kwargs):
+        forwards.append((len(micro), micro.response_ids.shape[1] + micro.prompt_ids.shape[1], chunk_tokens))
+        return forward(model, micro, *args, chunk_tokens=chunk_tokens, **kwargs)
+
+    monkeypatch.setattr(mfu_bench.train, "policy_forward", policy_forward)
     result = mfu_bench.main(["--dry-run", "--rows", "4", "--repeats", "1", "--micro-batch-tokens", "200",
                              "--logprob-chunk-tokens", "64", "--checkpoint-fraction", "0.5", "--profile"])
     out = capsys.readouterr().out.strip().splitlines()
@@ -25,6 +39,14 @@ def test_mfu_bench_dry_run_runs_the_update_with_every_lever_and_ends_with_its_li
     assert "in 2 micro-batches" in out[-2]  # the token budget, not one row each
     assert re.fullmatch(r"mfu ppo=\d+\.\d{3} bare=\d+\.\d{3} ratio=\d+\.\d{2} peak_gib=\d+\.\d", out[-1])
     assert result["ratio"] > 0 and result["ppo"] > 0
+
+    # 2 rounds x (bare, PPO) + the profiled update, each over the same 2 micro-batches
+    assert len(forwards) == 10 and {chunk for *_, chunk in forwards} == {64}
+    assert all(rows * width <= 200 for rows, width, _ in forwards) and max(rows for rows, *_ in forwards) > 1
+    [(options, model)] = sharded
+    assert options["activation_checkpointing"] and options["checkpoint_fraction"] == 0.5
+    assert model.is_gradient_checkpointing
+    assert [layer.gradient_checkpointing for layer in model.model.layers] == [True, False]
 
 
 def test_mfu_bench_fresh_batches_time_a_new_batch_at_every_step(monkeypatch):
