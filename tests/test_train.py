@@ -85,10 +85,12 @@ def test_micro_pipeline_runs_every_stage_and_logs_every_step(out_dir, micro_run)
 
 def test_the_first_steps_numbers_are_recomputed_from_what_the_run_saved(out_dir, sft, micro_run):
     """Step 0 samples from pi_SFT with its own seed, and its critic is the value-pretrained one the run
-    saved: drawing the same prompts and samples again gives the logged accuracy, length and mean value."""
+    saved: drawing the same prompts and samples again gives the logged accuracy, length, truncated
+    share, prompt length, mean value and mean return (GAE(lam_critic) + V)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from critic import load_value_model, response_values
+    from gae import gae_reference
     from support.masked import masked_mean
     from reward import Grader
     from sampling import Sampler
@@ -107,6 +109,12 @@ def test_the_first_steps_numbers_are_recomputed_from_what_the_run_saved(out_dir,
     assert row["reward/accuracy"] == (scored.outcomes > 0).float().mean().item()
     assert row["response_length/mean"] == scored.batch.lengths.float().mean().item()
     assert row["critic/values_mean"] == pytest.approx(masked_mean(values, scored.batch.response_mask).item(), abs=1e-5)
+    # The metrics test_micro_pipeline_runs_every_stage_and_logs_every_step checks by name, by value here.
+    batch = scored.batch
+    assert row["response_length/clip_ratio"] == pytest.approx(sum(f == "length" for f in batch.finish_reasons) / len(batch))
+    assert row["prompt_length/mean"] == pytest.approx(batch.prompt_mask.sum(-1).float().mean().item())
+    _, returns = gae_reference(scored.token_rewards, values, batch.response_mask, cfg.gamma, cfg.lam_critic)
+    assert row["critic/returns/mean"] == pytest.approx(masked_mean(returns, batch.response_mask).item(), abs=1e-5)
 
 
 def test_critic_from_orm_and_from_sft_differ_only_in_the_head_source(out_dir, sft, micro_run):
