@@ -17,7 +17,21 @@ sys.path.insert(0, str(ROOT / "bench"))
 import mfu_bench  # noqa: E402
 
 
-def test_mfu_bench_dry_run_runs_the_update_with_every_lever_and_ends_with_its_line(capsys):
+def test_mfu_bench_dry_run_runs_the_update_with_every_lever_and_ends_with_its_line(capsys, monkeypatch):
+    """Each lever reaches the code it drives: --micro-batch-tokens cuts the batch into micro-batches
+    of up to 200 padded tokens (not one row each), --logprob-chunk-tokens reaches every
+    policy_forward (bare and PPO), --checkpoint-fraction 0.5 recomputes one of the two layers
+    (shard_model with activation checkpointing), --profile prints its table; then the result line."""
+    shard, forward = mfu_bench.fsdp_utils.shard_model, mfu_bench.train.policy_forward
+    sharded, forwards = [], []
+    monkeypatch.setattr(mfu_bench.fsdp_utils, "shard_model",
+                        lambda model, **options: sharded.append((options, shard(model, **options))) or sharded[-1][1])
+
+    def policy_forward(model, micro, *args, chunk_tokens=None, **kwargs):
+        forwards.append((len(micro), micro.response_ids.shape[1] + micro.prompt_ids.shape[1], chunk_tokens))
+        return forward(model, micro, *args, chunk_tokens=chunk_tokens, **kwargs)
+
+    monkeypatch.setattr(mfu_bench.train, "policy_forward", policy_forward)
     result = mfu_bench.main(["--dry-run", "--rows", "4", "--repeats", "1", "--micro-batch-tokens", "200",
                              "--logprob-chunk-tokens", "64", "--checkpoint-fraction", "0.5", "--profile"])
     out = capsys.readouterr().out.strip().splitlines()
@@ -25,6 +39,14 @@ def test_mfu_bench_dry_run_runs_the_update_with_every_lever_and_ends_with_its_li
     assert "in 2 micro-batches" in out[-2]  # the token budget, not one row each
     assert re.fullmatch(r"mfu ppo=\d+\.\d{3} bare=\d+\.\d{3} ratio=\d+\.\d{2} peak_gib=\d+\.\d", out[-1])
     assert result["ratio"] > 0 and result["ppo"] > 0
+
+    # 2 rounds x (bare, PPO) + the profiled update, each over the same 2 micro-batches
+    assert len(forwards) == 10 and {chunk for *_, chunk in forwards} == {64}
+    assert all(rows * width <= 200 for rows, width, _ in forwards) and max(rows for rows, *_ in forwards) > 1
+    [(options, model)] = sharded
+    assert options["activation_checkpointing"] and options["checkpoint_fraction"] == 0.5
+    assert model.is_gradient_checkpointing
+    assert [layer.gradient_checkpointing for layer in model.model.layers] == [True, False]
 
 
 def test_mfu_bench_fresh_batches_time_a_new_batch_at_every_step(monkeypatch):
@@ -146,9 +168,41 @@ def test_gpu_smoke_refuses_an_unknown_part_before_running_any():
     assert "== part 5" not in done.stdout and "summary" not in done.stdout
 
 
-def test_sdpa_shapes_bench_times_new_and_seen_shapes_under_each_backend_set(capsys):
-    import sdpa_shapes_bench
+def test_sdpa_shapes_bench_times_new_and_seen_shapes_under_each_backend_set(capsys, monkeypatch):
+    """Each backend set warms up on a shape of its own, then runs --shapes (rows, keys) shapes twice
+    each (first, again), every one new: distinct within the set and from every other set's and the
+    warm-up's. The default set runs under torch's own SDPA settings; "without cuDNN" inside
+    sdpa_kernel(flash, efficient, math), which is what SDPA's flags say while its shapes run."""
+    import contextlib
 
+    import sdpa_shapes_bench
+    from torch.nn.attention import SDPBackend
+
+    def enabled():
+        flags = {SDPBackend.FLASH_ATTENTION: torch.backends.cuda.flash_sdp_enabled(),
+                 SDPBackend.EFFICIENT_ATTENTION: torch.backends.cuda.mem_efficient_sdp_enabled(),
+                 SDPBackend.MATH: torch.backends.cuda.math_sdp_enabled(),
+                 SDPBackend.CUDNN_ATTENTION: torch.backends.cuda.cudnn_sdp_enabled()}
+        return frozenset(backend for backend, on in flags.items() if on)
+
+    defaults, active, runs = enabled(), [], []
+    kernel, attention = sdpa_shapes_bench.sdpa_kernel, sdpa_shapes_bench.decoding_attention
+
+    @contextlib.contextmanager
+    def recorded_kernel(backends):
+        active.append(tuple(backends))
+        try:
+            with kernel(backends):
+                yield
+        finally:
+            active.pop()
+
+    def recorded_attention(rows, keys, device, dtype):
+        call = attention(rows, keys, device, dtype)
+        return lambda: runs.append((active[-1] if active else None, enabled(), rows, keys)) or call()
+
+    monkeypatch.setattr(sdpa_shapes_bench, "sdpa_kernel", recorded_kernel)
+    monkeypatch.setattr(sdpa_shapes_bench, "decoding_attention", recorded_attention)
     results = sdpa_shapes_bench.main(["--device", "cpu", "--shapes", "3"])
     assert set(results) == {"default", "without cuDNN"}  # no cuDNN on a CPU
     for r in results.values():
@@ -157,3 +211,16 @@ def test_sdpa_shapes_bench_times_new_and_seen_shapes_under_each_backend_set(caps
     d, w = results["default"], results["without cuDNN"]
     assert last == (f"sdpa_new_shape first_ms={d['first_ms']:.3f},{w['first_ms']:.3f} "
                     f"again_ms={d['again_ms']:.3f},{w['again_ms']:.3f}")
+
+    without = tuple(sdpa_shapes_bench.BACKENDS["without cuDNN"])
+    assert SDPBackend.CUDNN_ATTENTION in defaults and SDPBackend.CUDNN_ATTENTION not in without
+    sets = list(dict.fromkeys((applied, flags) for applied, flags, _, _ in runs))
+    assert sets == [(None, defaults), (without, frozenset(without))]
+    timed = []
+    for backend_set in sets:
+        shapes = [(rows, keys) for applied, flags, rows, keys in runs if (applied, flags) == backend_set]
+        warm_up, first, again = shapes[0], shapes[1::2], shapes[2::2]
+        assert len(shapes) == 1 + 2 * 3 and first == again  # each shape timed new, then once more
+        assert len(set(first)) == 3 and warm_up not in first
+        timed += first
+    assert len(set(timed)) == len(timed)  # no set meets a shape another set has met

@@ -332,19 +332,20 @@ def test_without_a_writable_cache_the_loop_is_compiled_per_process(monkeypatch):
 def test_the_compiled_loop_leaves_torchs_thread_count_alone(fast_path):
     """numba's OpenMP layer shares torch's libgomp: its first parallel call used to set every core as
     the process's OpenMP thread count, so torch ignored --threads from the first GAE on. In a fresh
-    process, since that first call happens once per process."""
+    process, since that first call happens once per process; with NUMBA_NUM_THREADS=2 there, so that
+    numba's pool has two threads to impose even on a one-core machine (the test can fail anywhere)."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
-    if len(os.sched_getaffinity(0)) < 2:
-        pytest.skip("on one core numba's thread count is 1 already: the test could not fail")
     code = ("import torch; torch.set_num_threads(1); import gae; "
             "x = torch.randn(512, 4096); (x + x).sum(); "  # torch's OpenMP team exists, as in a PPO step
             "gae.decoupled_gae(torch.zeros(4, 9), torch.zeros(4, 9), torch.ones(4, 9), 1.0, 0.95, 1.0); "
             "print(torch.get_num_threads())")
     root = Path(__file__).resolve().parents[1]
-    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    env = {**os.environ, "NUMBA_NUM_THREADS": "2"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split()[-1] == "1"

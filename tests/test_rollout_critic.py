@@ -48,16 +48,33 @@ def test_sampling_logprobs_equal_recomputed_logprobs_at_the_rollout_temperature(
     assert torch.allclose(recomputed, batch.logprobs, atol=1e-5)
 
 
-def test_mask_covers_tokens_up_to_and_including_eos_and_padding_is_zero(policy):
-    model, tokenizer, _ = policy
-    batch = HFRollout(model, tokenizer).generate(prompts(tokenizer), max_new_tokens=40, seed=1)
-    eos = tokenizer.eos_token_id
-    for row, length, reason in zip(batch.response_ids, batch.lengths, batch.finish_reasons):
-        ends_with_eos = row[length - 1].item() == eos
-        assert reason == ("stop" if ends_with_eos else "length")
+def test_mask_covers_tokens_up_to_and_including_eos_and_padding_is_zero():
+    """A sampled rollout that ends both ways: a "stop" response is every token up to and including
+    its first EOS (mask 1 there, EOS its last masked token), a "length" one runs to max_new_tokens
+    without EOS; after the mask, padding tokens with log-prob 0. tests/dist_workers' tiny actor says
+    EOS after a "7" (a random model rarely does), so with this seed both endings and padding occur."""
+    from dist_workers.common import PROMPTS, tiny_actor
+
+    tokenizer, model = tiny_actor()
+    max_new_tokens = 16
+    batch = HFRollout(model, tokenizer).generate(prompts(tokenizer) + [tokenizer(p)["input_ids"] for p in PROMPTS],
+                                                 max_new_tokens=max_new_tokens, temperature=1.0, seed=3)
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    assert set(batch.finish_reasons) == {"stop", "length"}
+    stopped_early = [r == "stop" and n < max_new_tokens for r, n in zip(batch.finish_reasons, batch.lengths.tolist())]
+    assert sum(stopped_early) >= 2 and (batch.response_mask == 0).any()  # padding after an EOS, in several rows
+    assert batch.response_ids.shape[1] == max_new_tokens
+    for b, (row, length, reason) in enumerate(zip(batch.response_ids, batch.lengths.tolist(), batch.finish_reasons)):
+        assert batch.response_mask[b, :length].eq(1).all() and batch.response_mask[b, length:].eq(0).all()
         assert (row[:length - 1] != eos).all()  # no EOS before the last token
-        assert (row[length:] == tokenizer.pad_token_id).all()
+        if reason == "stop":
+            assert row[length - 1].item() == eos  # the EOS is in the mask
+            assert batch.logprobs[b, length - 1] < 0  # and keeps its log-prob
+        else:
+            assert length == max_new_tokens and row[length - 1].item() != eos
+        assert (row[length:] == pad).all()
     assert (batch.logprobs[batch.response_mask == 0] == 0).all()
+    assert (batch.logprobs[batch.response_mask == 1] < 0).all()
     assert len(decode_responses(tokenizer, batch)) == len(batch)
 
 

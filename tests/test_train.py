@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import math
 import os
 import re
 import shutil
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -83,10 +85,12 @@ def test_micro_pipeline_runs_every_stage_and_logs_every_step(out_dir, micro_run)
 
 def test_the_first_steps_numbers_are_recomputed_from_what_the_run_saved(out_dir, sft, micro_run):
     """Step 0 samples from pi_SFT with its own seed, and its critic is the value-pretrained one the run
-    saved: drawing the same prompts and samples again gives the logged accuracy, length and mean value."""
+    saved: drawing the same prompts and samples again gives the logged accuracy, length, truncated
+    share, prompt length, mean value and mean return (GAE(lam_critic) + V)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from critic import load_value_model, response_values
+    from gae import gae_reference
     from support.masked import masked_mean
     from reward import Grader
     from sampling import Sampler
@@ -105,6 +109,12 @@ def test_the_first_steps_numbers_are_recomputed_from_what_the_run_saved(out_dir,
     assert row["reward/accuracy"] == (scored.outcomes > 0).float().mean().item()
     assert row["response_length/mean"] == scored.batch.lengths.float().mean().item()
     assert row["critic/values_mean"] == pytest.approx(masked_mean(values, scored.batch.response_mask).item(), abs=1e-5)
+    # The metrics test_micro_pipeline_runs_every_stage_and_logs_every_step checks by name, by value here.
+    batch = scored.batch
+    assert row["response_length/clip_ratio"] == pytest.approx(sum(f == "length" for f in batch.finish_reasons) / len(batch))
+    assert row["prompt_length/mean"] == pytest.approx(batch.prompt_mask.sum(-1).float().mean().item())
+    _, returns = gae_reference(scored.token_rewards, values, batch.response_mask, cfg.gamma, cfg.lam_critic)
+    assert row["critic/returns/mean"] == pytest.approx(masked_mean(returns, batch.response_mask).item(), abs=1e-5)
 
 
 def test_critic_from_orm_and_from_sft_differ_only_in_the_head_source(out_dir, sft, micro_run):
@@ -834,21 +844,41 @@ def test_a_tuple_setting_matches_the_list_it_was_stored_as(tmp_path):
         config.check_settings("here", stored, {"task_difficulty": (28, 40)})
 
 
+class FakeWandb:
+    """A stand-in for the `wandb` module (not installed here, and no network): records what
+    `wandb.init` was given and what its run was sent (`log`) and when it was finished."""
+
+    def __init__(self):
+        self.inits, self.logged, self.finished = [], [], 0
+
+    def init(self, **kwargs):
+        self.inits.append(kwargs)
+        return SimpleNamespace(log=lambda row, step: self.logged.append((step, dict(row))),
+                               finish=lambda: setattr(self, "finished", self.finished + 1))
+
+
 def test_metrics_go_to_wandb_offline_when_asked(tmp_path, monkeypatch):
-    """--wandb-project: the same rows to Weights & Biases (offline here: no network), NaN left out."""
-    pytest.importorskip("wandb")
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
+    """--wandb-project: one run named after the run directory, with the config; every step's row of
+    metrics.jsonl goes to it at its step, every key, NaN and inf (null in the file) left out as wandb
+    has no null; the run is finished when the log closes."""
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
     log = rundir.MetricsLog(str(tmp_path), keep_up_to_step=-1, wandb_project="vc-ppo-test", config={"seed": 3})
-    sent, send = [], log.wandb.log
-    monkeypatch.setattr(log.wandb, "log", lambda row, step: sent.append((step, row)) or send(row, step=step))
-    for step in range(3):
-        log.write(step, {"reward/mean": step / 10, "critic/vf_explained_var": float("nan")})
-    assert sent == [(step, {"reward/mean": step / 10}) for step in range(3)]
-    assert dict(log.wandb.summary)["reward/mean"] == 0.1  # wandb takes in a step when the next one comes
-    assert log.wandb.config["seed"] == 3 and log.wandb.name == tmp_path.name
+    assert fake.inits == [{"project": "vc-ppo-test", "name": tmp_path.name, "dir": str(tmp_path),
+                           "config": {"seed": 3}}]
+    written = [{"reward/mean": step / 10, "critic/vf_explained_var": float("nan"), "actor/grad_norm": 1.5 + step,
+                "reward/grader_timeouts": step, "perf/throughput": float("inf") if step == 1 else 7.0}
+               for step in range(3)]
+    for step, metrics in enumerate(written):
+        log.write(step, metrics)
+    assert fake.finished == 0
     log.close()
-    assert [p.stat().st_size > 0 for p in tmp_path.glob("wandb/offline-run-*/run-*.wandb")] == [True]  # to sync
+    assert fake.finished == 1
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert fake.logged == [(r["step"], {k: v for k, v in r.items() if k != "step" and v is not None}) for r in rows]
+    finite = [{k: v for k, v in m.items() if math.isfinite(v)} for m in written]
+    assert [row for _, row in fake.logged] == finite and len(finite[0]) == 4 and len(finite[1]) == 3
 
 
 def test_metrics_files_write_an_undefined_value_as_null_not_bare_nan(tmp_path):

@@ -20,7 +20,7 @@ from support import task
 import train
 import value_pretrain
 from support.config import Config
-from gae import gae_reference
+from gae import gae_reference, length_adaptive_lambda
 from ppo import response_logprobs
 from rollout import RolloutBatch, left_pad
 from sampling import Sampler
@@ -46,6 +46,7 @@ class ScriptedRollout:
 
     def generate(self, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, seed=None):
         assert len(prompt_ids) == len(self.responses)
+        self.prompts = [list(p) for p in prompt_ids]
         ids, prompt_mask = left_pad(prompt_ids, self.pad_id)
         width = max(map(len, self.responses))
         response = torch.full((len(ids), width), self.pad_id, dtype=torch.long)
@@ -155,13 +156,13 @@ def record_update_model(calls, metrics=None):
     return update_model
 
 
-def run_ppo_step(cfg, actor, critic, tokenizer, records, monkeypatch):
+def run_ppo_step(cfg, actor, critic, tokenizer, records, monkeypatch, reference=None, engine=None):
     calls = {}
     monkeypatch.setattr(train, "update_model", record_update_model(calls))
-    engine = ScriptedRollout(tokenizer)
+    engine = engine or ScriptedRollout(tokenizer)
     models = {"actor": actor} | ({"critic": critic} if critic is not None else {})
     sampler = Sampler(cfg, engine, tokenizer, ScriptedGrader())
-    metrics = train.ppo_step(cfg, 0, sampler, records, models, {name: None for name in models})
+    metrics = train.ppo_step(cfg, 0, sampler, records, models, {name: None for name in models}, reference)
     return engine.batch, calls, metrics
 
 
@@ -211,6 +212,70 @@ def test_ppo_step_without_whitening_passes_the_raw_gae_advantages(tokenizer, act
     advantages, _ = gae_reference(last_token_rewards(expected_scores(), mask), critic_values(critic, batch),
                                   mask, cfg.gamma, cfg.lam_actor)
     torch.testing.assert_close(calls["actor"].per_token["advantages"], advantages, atol=1e-5, rtol=1e-5)
+
+
+def test_ppo_step_takes_the_kl_terms_ref_logprobs_from_the_reference_policy(tokenizer, actor, records, monkeypatch):
+    """--kl-coef > 0: per_token["ref_logprobs"] = log pi_ref(y_t | s_t) of the frozen reference model
+    (its own full forward, at the rollout temperature), not of the actor being trained; the actor's
+    old log-probs stay the actor's."""
+    cfg = make_config(kl_coef=0.1, temperature=0.7)
+    reference = task.make_tiny_model(tokenizer, num_layers=1, hidden_size=64, num_heads=1, num_kv_heads=1,
+                                     intermediate_size=128, seed=5)
+    critic = TokenValueCritic(len(tokenizer), seed=1)
+    batch, calls, _ = run_ppo_step(cfg, actor, critic, tokenizer, records, monkeypatch, reference=reference)
+    per_token = calls["actor"].per_token
+    expected_ref, _ = full_forward_logprobs(reference, batch, cfg.temperature)
+    expected_old, _ = full_forward_logprobs(actor, batch, cfg.temperature)
+    assert (expected_ref - expected_old).abs().max() > 0.1  # the two models disagree: a mix-up cannot pass
+    torch.testing.assert_close(per_token["ref_logprobs"], expected_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(per_token["old_logprobs"], expected_old, atol=1e-5, rtol=1e-5)
+
+
+def test_ppo_step_with_length_adaptive_alpha_gives_each_response_the_lambda_of_its_length(
+        tokenizer, actor, records, monkeypatch):
+    """--length-adaptive-alpha (VAPO): the actor's advantages are GAE with lambda = 1 - 1/(alpha L_b)
+    per response (gae.length_adaptive_lambda), not --lam-actor; the critic's targets keep lam_critic."""
+    alpha = 0.5  # lambdas 0.5 (4 tokens) to ~0.83 (12 tokens), far from lam_actor
+    cfg = make_config(lam_actor=0.95, lam_critic=1.0, length_adaptive_alpha=alpha, whiten_advantages=False)
+    critic = TokenValueCritic(len(tokenizer), seed=2)
+    batch, calls, _ = run_ppo_step(cfg, actor, critic, tokenizer, records, monkeypatch)
+    mask = batch.response_mask
+    rewards, values = last_token_rewards(expected_scores(), mask), critic_values(critic, batch)
+    lam = length_adaptive_lambda(batch.lengths, alpha)
+    assert len(set(lam.tolist())) > 1  # responses of several lengths: one lambda for all cannot pass
+    expected, _ = gae_reference(rewards, values, mask, cfg.gamma, lam=lam)
+    plain, _ = gae_reference(rewards, values, mask, cfg.gamma, cfg.lam_actor)
+    assert (expected - plain).abs().max() > 0.05
+    per_token = calls["actor"].per_token
+    torch.testing.assert_close(per_token["advantages"], expected, atol=1e-5, rtol=1e-5)
+    _, returns = gae_reference(rewards, values, mask, cfg.gamma, cfg.lam_critic)
+    torch.testing.assert_close(per_token["returns"], returns, atol=1e-5, rtol=1e-5)
+
+
+def test_ppo_step_logs_the_truncated_share_the_prompt_length_and_the_mean_return_of_its_batch(
+        tokenizer, actor, records, monkeypatch):
+    """response_length/clip_ratio = the share of responses cut at max_new_tokens (FINISH: 2 of 6);
+    prompt_length/mean = the mean number of prompt tokens the engine was given (not the padded
+    width); critic/returns/mean = the token-mean of the critic's targets GAE(lam_critic) + V;
+    response_length/mean and /max from the scripted responses."""
+    cfg = make_config(lam_actor=0.5, lam_critic=0.9, gamma=0.99)
+    critic = TokenValueCritic(len(tokenizer), seed=6)
+    engine = ScriptedRollout(tokenizer)
+    batch, _, metrics = run_ppo_step(cfg, actor, critic, tokenizer, records, monkeypatch, engine=engine)
+    mask = batch.response_mask
+    assert metrics["response_length/clip_ratio"] == pytest.approx(FINISH.count("length") / len(FINISH))
+    prompt_lengths = [len(p) for p in engine.prompts]
+    assert len(set(prompt_lengths)) > 1  # ragged prompts: the padded width differs from the mean
+    assert metrics["prompt_length/mean"] == pytest.approx(sum(prompt_lengths) / len(prompt_lengths))
+    response_lengths = [len(r) for r in engine.responses]
+    assert metrics["response_length/mean"] == pytest.approx(sum(response_lengths) / len(response_lengths))
+    assert metrics["response_length/max"] == max(response_lengths)
+    values = critic_values(critic, batch)
+    _, returns = gae_reference(last_token_rewards(expected_scores(), mask), values, mask, cfg.gamma, cfg.lam_critic)
+    valid = mask.bool()
+    assert abs(returns[valid].mean() - values[valid].mean()) > 0.05  # the values' mean cannot pass for it
+    assert metrics["critic/returns/mean"] == pytest.approx(returns[valid].mean().item(), abs=1e-5)
+    assert metrics["critic/values_mean"] == pytest.approx(values[valid].mean().item(), abs=1e-5)
 
 
 def test_ppo_critic_update_uses_the_value_loss_clipped_around_the_old_values(
