@@ -32,6 +32,11 @@ from support.rundir import build_once, check_stage, input_files, write_json
 from sampling import Sampler
 
 
+def fresh_head_seed(run_seed: int) -> int:
+    """The seed of a run's fresh value head on pi_SFT: the critic a run with `--seed run_seed` starts from."""
+    return stream_seed(run_seed, "critic/head", 0)
+
+
 def load_value_model(path: str, head_init_std: float = 0.02, seed: int = 0, device=None, **shard_options):
     """A backbone + scalar head from `path`, in fp32 (`checkpoints.load_pretrained`: sharded by
     `shard_model(model, **shard_options)` under torchrun, without a whole model on any rank).

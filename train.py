@@ -31,7 +31,7 @@ from support import memory_plan
 from support import preemption
 from support import rundir
 from support.config import Config, ConfigError, cpu_threads, launch_world_size, parse_config, positions_needed
-from critic import check_orm, critic_loss, load_value_model, prepare_orm, response_values
+from critic import check_orm, critic_loss, fresh_head_seed, load_value_model, prepare_orm, response_values
 from support.data import DataError, prepare_data, sample_prompts, stream_seed
 from evaluate import eval_sampler, evaluate, evaluate_once, val_metrics
 from support.fast_rollout import FastHFRollout
@@ -266,7 +266,7 @@ def load_actor(cfg, path: str, dist_info):
 def load_critic(cfg, path: str, dist_info):
     """The critic from pi_SFT (with a fresh head), the outcome reward model or a value-pretrained
     critic, loaded as the actor is; a fresh head is drawn from the run's seed."""
-    return load_value_model(path, seed=stream_seed(cfg.seed, "critic/head", 0), device=dist_info.device,
+    return load_value_model(path, seed=fresh_head_seed(cfg.seed), device=dist_info.device,
                             **fsdp_utils.shard_options(cfg))
 
 

@@ -222,9 +222,10 @@ def mean_std(values: list[float]) -> tuple[float, float]:
 
 def evaluation_row(evals: list[dict], paper: float | None) -> dict:
     """Mean and std over seeds of one stage's held-out evaluation (evaluate.evaluate's dicts)."""
-    k = next(key for key in evals[0] if key.startswith("pass@") and key != "pass@1")
+    k = next((key for key in evals[0] if key.startswith("pass@") and key != "pass@1"), None)  # none: 1 sample
+    pass_at_k = mean_std([e[k] for e in evals]) if k else (float("nan"), float("nan"))
     return {"seeds": len(evals), "pass@1": mean_std([e["pass@1"] for e in evals]),
-            "pass@k": (k, *mean_std([e[k] for e in evals])), "mean_length": mean_std([e["mean_length"] for e in evals]),
+            "pass@k": (k or "pass@k", *pass_at_k), "mean_length": mean_std([e["mean_length"] for e in evals]),
             "paper": paper}
 
 

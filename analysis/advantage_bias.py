@@ -36,11 +36,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from support import rundir
 from analysis import run_cli
 from support.config import parse_config
-from critic import check_orm, load_value_model, orm_path, orm_quality, prepare_orm, response_values, shift_values
+from critic import check_orm, fresh_head_seed, load_value_model, orm_path, orm_quality, prepare_orm, response_values, shift_values
 from support.data import prepare_data, sample_prompts, stream_seed
 from fsdp_utils import local_device
 from gae import compute_gae
 from support.masked import masked_mean, masked_sum
+from train import position_bins
 from rollout import HFRollout
 from sampling import Sampler
 from support.sft import prepare_sft, sft_cache_path
@@ -78,7 +79,7 @@ class Args:
     lambdas: tuple[float, ...] = (0.95, 1.0)
     """GAE lambdas (gamma: train.py's --gamma)"""
     seed: int = 0
-    """seeds the prompts, the samples and the fresh critic head"""
+    """seeds the prompts and the samples; the fresh critic head is train.py's for this --seed"""
 
 
 @dataclass
@@ -144,9 +145,8 @@ def build_missing(args: Args, cfg, paths: dict, sampler: Sampler, records) -> No
     if args.critic is None and not os.path.exists(paths["pretrained"]) and cfg.value_pretrain_steps > 0:
         run_dir = rundir.prepare(cfg)  # the run directory records the settings of what goes in it
         critic_init = paths["sft"] if cfg.critic_init == "sft" else prepare_orm(cfg, paths["sft"], sampler, records)
-        fresh_head = stream_seed(cfg.seed, "critic/head", 0)  # as train.load_critic draws it
         prepare_value_critic(cfg, run_dir, critic_init, sampler, records,
-                             load=lambda path: load_value_model(path, seed=fresh_head, device=local_device()))
+                             load=lambda path: load_value_model(path, seed=fresh_head_seed(cfg.seed), device=local_device()))
 
 
 def sample_rollouts(args: Args, cfg, sampler: Sampler, records) -> list:
@@ -162,34 +162,35 @@ def sample_rollouts(args: Args, cfg, sampler: Sampler, records) -> list:
 BOX_OPEN = "\\boxed{"
 
 
-def box_starts(tokenizer, rollouts) -> list[list[int]]:
-    """Per rollout batch, per response: the token index where its last `\\boxed{` begins (-1: none).
-    The "?" of a guess comes before it, so the index is the first token of the box itself."""
+def box_starts(tokenizer, rollouts) -> list[list[tuple[int, int]]]:
+    """Per rollout batch, per response: the token indices (b, e) where its last `\\boxed{` begins and
+    where the box's content begins ((-1, -1): none). The "?" of a guess comes before it, so b is the
+    first token of the box itself; e - b is as many tokens as `\\boxed{` takes in this tokenizer."""
     out = []
     for scored in rollouts:
         starts = []
         for text in scored.texts:
             i = text.rfind(BOX_OPEN)
-            starts.append(-1 if i < 0 else len(tokenizer(text[:i], add_special_tokens=False)["input_ids"]))
+            count = lambda prefix: len(tokenizer(prefix, add_special_tokens=False)["input_ids"])  # noqa: E731
+            starts.append((-1, -1) if i < 0 else (count(text[:i]), count(text[: i + len(BOX_OPEN)])))
         out.append(starts)
     return out
 
 
-def box_alignment(rollouts, values: list, starts: list[list[int]], before: int = 16) -> dict:
+def box_alignment(rollouts, values: list, starts: list[list[tuple[int, int]]], before: int = 16) -> dict:
     """V(s_t) around the opening of the final box, over responses whose box opens completely: the mean
     over the `before` tokens before it, at the box's first token (s_b: nothing of it written yet), and
-    once `\\boxed{` is written (s_{b+7}); their difference is the sum of the TD errors delta_t = V(s_{t+1})
+    once `\\boxed{` is written (s_e); their difference is the sum of the TD errors delta_t = V(s_{t+1})
     - V(s_t) over the box-opening tokens (no reward there). A critic that reads every unboxed prefix as
     a truncated (-1) response shows a large positive jump whatever the answer."""
     pre, at, inside, jump = [], [], [], []
-    n_open = len(BOX_OPEN)
     for scored, v, rows in zip(rollouts, values, starts):
-        for row, b in enumerate(rows):
-            if b < 1 or b + n_open >= int(scored.batch.lengths[row]):
+        for row, (b, e) in enumerate(rows):
+            if b < 1 or e >= int(scored.batch.lengths[row]):
                 continue
             pre.append(float(v[row, max(0, b - before) : b].mean()))
             at.append(float(v[row, b]))
-            inside.append(float(v[row, b + n_open]))
+            inside.append(float(v[row, e]))
             jump.append(inside[-1] - at[-1])
     if not jump:
         return {"responses": 0}
@@ -216,7 +217,7 @@ def position_sums(rollouts, critic, lambdas, gamma, width: int, bin_size: int) -
         batch, rewards, mask = scored.batch, scored.token_rewards, scored.batch.response_mask
         values = response_values(critic, batch) if critic is not None else torch.zeros_like(mask)
         sums["values"].append(values)
-        quarter = (torch.arange(mask.shape[1]) < (batch.lengths.unsqueeze(1) + 3) // 4).float() * mask
+        quarter = position_bins(mask, 4)[0]  # each response's first quarter, as train.py's metrics bin it
         add("count", mask, mask)
         add("value", values, mask)
         add("ret", compute_gae(rewards, values, mask, gamma, lam=1.0)[1], mask)  # R_t at lambda = 1 (Eq. 7)
@@ -254,9 +255,9 @@ def mean_and_se(x: list[float]) -> tuple[float, float]:
     return float(np.mean(x)), float(np.std(x, ddof=1) / np.sqrt(len(x)))
 
 
-def measure(args: Args, rollouts, paths: dict, gamma: float, starts: list[list[int]]) -> BiasResult:
+def measure(args: Args, rollouts, paths: dict, gamma: float, starts: list[list[tuple[int, int]]]) -> BiasResult:
     """Binned values and advantages of every critic found at `paths`, on the same rollouts; `starts`:
-    where each response's final box opens (`box_starts`)."""
+    where each response's final box opens and its content begins (`box_starts`)."""
     width = max(int(s.batch.lengths.max()) for s in rollouts)
     values, advantages, pearson, first_se, skipped, common = {}, {}, {}, {}, {}, None
     first_quarter, box, quality = {}, {}, {}
@@ -268,8 +269,8 @@ def measure(args: Args, rollouts, paths: dict, gamma: float, starts: list[list[i
             skipped[name] = f"no checkpoint at {path} (run `{hint}` first, or pass --build)"
             tqdm.write(f"advantage_bias: {LABELS[name]} critic skipped: {skipped[name]}")
             continue
-        torch.manual_seed(args.seed)  # the fresh head of the SFT critic
-        critic = load_value_model(path).to(local_device()).eval()  # pi_SFT gets a new N(0, 0.02) head; critics keep theirs
+        # pi_SFT gets train.py's fresh head for this seed (the critic a run starts from); critics keep theirs
+        critic = load_value_model(path, seed=fresh_head_seed(args.seed)).to(local_device()).eval()
         if name == "sft":
             shift_values(critic, args.offset)
         with torch.no_grad():

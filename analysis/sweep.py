@@ -24,8 +24,9 @@ horizons). Each has its own ORM (trained on its own problems) and a limit that c
 preset's share of the SFT mix's responses: 620 cuts 10.5% (46-52), 460 cuts 12.7% (28-40).
 
 Each cell's two runs are the ablation grid's `ppo` (critic from the ORM) and `vc-ppo` cells, in
-<root>/<cell>/. A cell reuses the base --out-dir's pi_SFT, and its ORM when the ORM's settings are
-the cell's too (linked into <root>/<cell>/_shared/); otherwise its first run builds its own. Every
+<root>/<cell>/. A cell reuses the base --out-dir's pi_SFT (trained first when missing), and its ORM
+when the base --out-dir holds one whose settings are the cell's too (linked into
+<root>/<cell>/_shared/); otherwise the cell's first run builds its own ORM. Every
 run that can share the cached models is started in one pool, `--jobs` at a time.
 
 The table gives, per cell and seed: the length ratio (lowest 5-step moving
@@ -110,12 +111,14 @@ def plan(args: Args, train_flags: list[str]) -> dict[str, list[ablation.Run]]:
     if unknown:
         raise ValueError(f"unknown cell(s) {unknown}; choose from {list(CELLS)}")
     runs = {}
+    base_flags = ["--out-dir", args.out_dir, "--preset", "tiny-long", *train_flags]
+    if not args.read_only:  # the base pi_SFT first, so that every cell links it rather than training its own
+        ablation.build_missing_sft([parse_config(base_flags)])
     for cell in args.cells:
         out_dir = cell_dir(args, cell)
         flags = ["--preset", "tiny-long", *CELLS[cell], *train_flags]
         if not args.read_only:
-            link_caches(out_dir, ["--out-dir", args.out_dir, "--preset", "tiny-long", *train_flags],
-                        ["--out-dir", out_dir, *flags])
+            link_caches(out_dir, base_flags, ["--out-dir", out_dir, *flags])
         grid = ablation.Args(out_dir=out_dir, variants=RUNS, seeds=args.seeds)
         runs[cell] = ablation.plan_runs(grid, flags)
     return runs

@@ -68,7 +68,12 @@ def read_curve(run: Path) -> Curve:
 
 
 def find_runs(root: Path) -> list[Path]:
-    runs = sorted(p.parents[1] for p in root.glob(f"*/{CURVE.as_posix()}"))
+    """Every run under `root`, at any depth; runs that share one value-pretraining stage (their
+    `value_pretrain` links to one cached critic) count once, under the first run's name."""
+    shared = {}
+    for curve in sorted(root.rglob(CURVE.as_posix())):
+        shared.setdefault(curve.resolve(), curve.parents[1])
+    runs = sorted(shared.values())
     if not runs:
         raise ValueError(f"no run under {root} has {CURVE}; pass --runs or run train.py first")
     return runs

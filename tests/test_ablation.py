@@ -54,6 +54,13 @@ def test_reads_a_grid_and_reports_mean_and_sample_std(tmp_path):
     assert json.loads((tmp_path / "out" / "ablation.json").read_text())["table"]["ppo"]["seeds"] == 2
 
 
+def test_runs_evaluated_with_one_sample_report_no_pass_at_k_instead_of_crashing():
+    """`--eval-samples 1` writes no pass@k: the table stopped with a bare StopIteration."""
+    row = ablation.evaluation_row([{"pass@1": 0.25, "mean_length": 80.0}, {"pass@1": 0.75, "mean_length": 90.0}], None)
+    assert row["pass@1"] == pytest.approx((0.5, math.sqrt(0.125)))
+    assert row["pass@k"][0] == "pass@k" and all(math.isnan(x) for x in row["pass@k"][1:])
+
+
 def test_a_finished_run_with_other_settings_is_refused(tmp_path):
     fake_run(tmp_path, "ppo", 0, 0.2, [100, 90])
     args = ablation.Args(out=tmp_path / "out", out_dir=str(tmp_path), variants=("ppo",), seeds=(0,), read_only=True)

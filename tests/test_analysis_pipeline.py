@@ -3,6 +3,9 @@ throwaway run directory: a tiny random pi_SFT, critics saved beside it, a fake c
 import dataclasses
 import json
 import math
+import re
+import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -160,6 +163,22 @@ def test_value_pretrain_curves_reads_values_back_exactly_and_writes_both_files(t
     assert (out / "value_pretrain_curves.png").stat().st_size > 0
 
 
+def test_value_pretrain_curves_finds_runs_at_any_depth_and_a_shared_stage_once(tmp_path):
+    """The grids keep their runs two levels down, and their runs link one cached stage: a glob one
+    level deep found none of them, and six variants sharing a stage drew one curve six times."""
+    stage = tmp_path / "runs" / "_shared" / "value_pretrain" / "key"
+    stage.mkdir(parents=True)
+    (stage / "curve.jsonl").write_text("")
+    for run in ("grid/a", "grid/b"):
+        (tmp_path / "runs" / run).mkdir(parents=True)
+        (tmp_path / "runs" / run / "value_pretrain").symlink_to(stage)
+    own = tmp_path / "runs" / "sweep" / "cell" / "c" / "value_pretrain"
+    own.mkdir(parents=True)
+    (own / "curve.jsonl").write_text("")
+    found = value_pretrain_curves.find_runs(tmp_path / "runs")
+    assert found == [tmp_path / "runs" / "grid" / "a", tmp_path / "runs" / "sweep" / "cell" / "c"]
+
+
 def test_value_pretrain_curves_names_the_bad_file_and_line(tmp_path):
     write_curve(tmp_path / "run", [{"step": 0, "value_loss": 1.0, "explained_variance": 0.0}])
     with open(tmp_path / "run" / "value_pretrain" / "curve.jsonl", "a") as f:
@@ -195,13 +214,25 @@ def test_box_alignment_reads_the_values_around_the_final_box():
                          torch.zeros(2, width), ["stop", "stop"])
     rollouts = [ScoredBatch(batch, texts, torch.tensor([1.0, -1.0]), torch.zeros(2, width), 0, 1, {})]
     starts = advantage_bias.box_starts(tokenizer, rollouts)
-    assert starts == [[7, -1]]  # "a:1234\n" is 7 tokens
+    assert starts == [[(7, 14), (-1, -1)]]  # "a:1234\n" is 7 tokens, and so is "\\boxed{" here
     values = torch.where(torch.arange(width) < 7, -1.0, 0.5).expand(2, width) * mask  # -1 until the box opens
     box = advantage_bias.box_alignment(rollouts, [values], starts)
     assert box["responses"] == 1 and box["value_before"] == pytest.approx(-1.0)
     assert (box["value_at_open"], box["value_after_open"], box["jump"]) == pytest.approx((0.5, 0.5, 0.0))
     values = torch.where(torch.arange(width) <= 7, -1.0, 0.5).expand(2, width) * mask  # the jump inside the box
     assert advantage_bias.box_alignment(rollouts, [values], starts)["jump"] == pytest.approx(1.5)
+
+
+def test_the_box_opening_is_counted_in_the_tokenizers_tokens_not_in_characters():
+    """`\\boxed{` is 7 characters, one token or a few in a BPE vocabulary: with --model, "after the
+    box opens" fell inside the answer."""
+
+    class OneTokenBox:  # "\\boxed{" is one token, every other character one
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [0 for _ in re.findall(r"\\boxed\{|.", text, re.S)]}
+
+    scored = types.SimpleNamespace(texts=["a:12\n\\boxed{12}", "no box"])
+    assert advantage_bias.box_starts(OneTokenBox(), [scored]) == [[(5, 6), (-1, -1)]]
 
 
 def test_orm_quality_and_first_quarter_are_reported(bias):
@@ -235,3 +266,21 @@ def test_first_quarter_advantage_averages_the_first_ceil_quarter_tokens(monkeypa
     sums = advantage_bias.position_sums([scored], object(), (1.0,), 1.0, width, bin_size=4)
     # quarter of 8 tokens: t = 0, 1 -> 1 - 0.05; quarter of 5 tokens (ceil 5/4 = 2): t = 0, 1 -> -1 - 0.05
     assert sums["first_quarter"][1.0] == pytest.approx([0.95, -1.05])
+
+
+def test_the_fresh_head_critic_is_the_one_a_run_of_that_seed_starts_from(run_root, tmp_path, monkeypatch):
+    """pi_SFT's fresh head was drawn from the global RNG after torch.manual_seed(--seed), while
+    load_value_model draws it from its own seed argument: every --seed read one head, and not the one
+    train.py's run of that seed starts from (critic.fresh_head_seed)."""
+    from critic import fresh_head_seed
+
+    seeds = {}
+    real = advantage_bias.load_value_model
+
+    def recording(path, **kwargs):
+        seeds[Path(path).name] = kwargs.get("seed")
+        return real(path, **kwargs)
+
+    monkeypatch.setattr(advantage_bias, "load_value_model", recording)
+    run_bias(run_root, tmp_path, seed=3)
+    assert seeds["sft"] == fresh_head_seed(3) != fresh_head_seed(0)

@@ -12,6 +12,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForTokenClassification
@@ -94,6 +95,28 @@ def test_a_ppo_step_runs_with_its_models_on_another_device(estimator, grader):
         metrics = train.ppo_step(cfg, 0, sampler, records, models, optimizers, reference)
         assert all(p.device == DEVICE for m in models.values() for p in m.parameters())
     assert metrics["actor/grad_norm"] > 0 and ("critic/grad_norm" in metrics) == (estimator == "gae")
+
+
+def test_advantage_bias_sums_run_with_the_rollouts_and_critic_on_another_device(grader):
+    """analysis/advantage_bias.py built each response's first-quarter mask on the CPU against
+    lengths on the rollouts' device: on a GPU it would have stopped after every training run of
+    analysis/collapse.py. The same sums as on the CPU."""
+    from analysis import advantage_bias
+
+    cfg = config.parse_config(MICRO)
+    tokenizer, actor = tiny_actor()
+    records, _ = prepare_data(cfg, tokenizer)
+    sums = {}
+    for on_device in (False, True):
+        with second_device() if on_device else torch.no_grad():
+            device = DEVICE if on_device else torch.device("cpu")
+            policy, critic = copy.deepcopy(actor).to(device), value_model_like(actor).to(device)
+            scored = Sampler(cfg, HFRollout(policy, tokenizer), tokenizer, grader).sample_and_score(records[:4], seed=0)
+            with torch.no_grad():
+                s = advantage_bias.position_sums([scored], critic, (0.95,), 1.0, width=8, bin_size=4)
+            sums[on_device] = (s["count"], s["adv"][0.95], s["first_quarter"][0.95])
+    assert sums[True][0].tolist() == sums[False][0].tolist()
+    assert np.allclose(sums[True][1], sums[False][1]) and np.allclose(sums[True][2], sums[False][2])
 
 
 def test_value_pretraining_orm_and_evaluation_run_with_their_models_on_another_device(grader, tmp_path):

@@ -120,10 +120,9 @@ def test_orm_training_on_two_ranks_matches_one_process(fsdp_run):
 
 @pytest.mark.slow
 def test_sharded_fresh_value_head_is_the_single_process_head_of_the_same_seed(fsdp_run):
-    from critic import load_value_model
-    from support.data import stream_seed
+    from critic import fresh_head_seed, load_value_model
 
-    single = load_value_model(str(fsdp_run["out_dir"] / "bf16"), seed=stream_seed(7, "critic/head", 0))
+    single = load_value_model(str(fsdp_run["out_dir"] / "bf16"), seed=fresh_head_seed(7))
     head = single.score.weight.flatten().tolist() + single.score.bias.tolist()
     assert fsdp_run["loading"]["head"] == head and any(head)
 

@@ -43,6 +43,24 @@ def test_a_cell_links_pi_sft_and_links_the_orm_only_when_its_settings_are_the_ce
     assert not (other_task / "_shared").exists()
 
 
+def test_a_fresh_sweep_trains_the_base_pi_sft_once_and_every_cell_links_it(tmp_path, monkeypatch):
+    """The links were made before any pi_SFT existed, so each cell trained its own long pi_SFT (~30
+    minutes of a core each) although the docstring promised the base one. SFT itself is faked here."""
+    trained = []
+
+    def fake_sft(cfg):
+        trained.append(cfg.out_dir)
+        Path(ablation.sft_cache_path(cfg)).mkdir(parents=True)
+
+    monkeypatch.setattr(ablation, "prepare_sft", fake_sft)
+    args = sweep.Args(cells=("actor-lr-2e-4", "lam-actor-0.99"), out_dir=str(tmp_path / "base"),
+                      root=str(tmp_path / "sweep"))
+    sweep.plan(args, [])
+    assert trained == [str(tmp_path / "base")]
+    for cell in args.cells:
+        assert (tmp_path / "sweep" / cell / "_shared" / "sft-long").resolve() == tmp_path / "base" / "_shared" / "sft-long"
+
+
 def test_reads_finished_cells_and_lists_the_others(tmp_path):
     base, root = tmp_path / "base", tmp_path / "sweep"
     fake_run(base, "ppo", 50, [600, 500, 300, 200, 200, 200], 0.1)  # default cell (6 of 50 steps): PPO collapses
