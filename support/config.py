@@ -401,7 +401,7 @@ CRITIC_FLAGS = ("critic_init", "value_pretrain_steps", "lam_actor", "lam_critic"
 PRESETS = {
     "tiny": Config(),
     # The long built-in task: ~520-token responses (26 GAE horizons at lambda 0.95), a limit that
-    # cuts ~10% of the SFT mix (scored -1), and a larger ORM data set (RESULTS.md, "The long task").
+    # cuts ~10% of the SFT mix (scored -1), and a larger ORM data set (results/long/README.md).
     "tiny-long": Config(
         preset="tiny-long", task_length="long", max_new_tokens=600, sft_steps=2000,
         orm_batches=8, orm_steps=120, max_prompt_tokens=128,  # vLLM: 128 + 600 within the 1,024 positions

@@ -59,7 +59,7 @@ class TaskShape:
 # numbers and 40 to 52 doublings: full traces of ~540 to ~700 tokens, the SFT mix's median response
 # above 25 GAE horizons at lambda 0.95. Its SFT also sees short chains, which teach a line's
 # arithmetic at a fraction of the cost. (16 digits were not learnt by the tiny model in 1,000 SFT
-# steps, 12 not in 1,200; 10 were within the preset's 2,000: RESULTS.md, "The long task".)
+# steps, 12 not in 1,200; 10 were within the preset's 2,000: results/long/README.md.)
 SHAPES = {"short": TaskShape(WIDTH, DEFAULT_DIFFICULTY, DEFAULT_DIFFICULTY),
           "long": TaskShape(10, (40, 52), (1, 52))}
 MAX_MERGE = 2  # doublings per merged line
