@@ -150,7 +150,7 @@ def execute(run: Run, threads: int) -> tuple[Run, float, int]:
     return run, wall, code
 
 
-def run_grid(runs: list[Run], jobs: int, out_dir: str) -> tuple[float, list[Run]]:
+def run_grid(runs: list[Run], jobs: int) -> tuple[float, list[Run]]:
     """Runs what is missing, `jobs` at a time; returns the wall time and the runs that failed. A
     missing shared pi_SFT is trained first, here, on every core (every run reads it: they could only
     wait); each missing ORM (MSE, Bradley-Terry) is built by the first run that reads it, and the
@@ -215,9 +215,13 @@ def load(run: Run) -> dict:
             "wall_s": json.loads(timing.read_text())["wall_s"] if timing.is_file() else None}
 
 
-def mean_std(values: list[float]) -> tuple[float, float]:
-    values = np.asarray(values, dtype=float)
-    return float(values.mean()), float(values.std(ddof=1)) if len(values) > 1 else float("nan")
+def mean_std(values: list) -> tuple[float, float]:
+    """Mean and sample std over seeds of what each has (None or NaN: undefined there, e.g. the explained
+    variance of equal returns); NaN where none has it, std NaN where only one has."""
+    v = np.array([np.nan if x is None else x for x in values], dtype=float)
+    if np.isnan(v).all():
+        return float("nan"), float("nan")
+    return float(np.nanmean(v)), float(np.nanstd(v, ddof=1)) if np.sum(~np.isnan(v)) > 1 else float("nan")
 
 
 def evaluation_row(evals: list[dict], paper: float | None) -> dict:
@@ -321,7 +325,7 @@ def main(args: Args, train_flags: list[str]) -> dict:
     ran, wall, failed = 0, 0.0, []
     if not args.read_only:
         ran = sum(not r.done for r in runs)
-        wall, failed = run_grid(runs, args.jobs, args.out_dir)
+        wall, failed = run_grid(runs, args.jobs)
     missing = [r for r in runs if not r.done]
     if len(missing) == len(runs):
         raise ValueError(f"no finished run to read under {args.out_dir}/ (see each run's train.log)")

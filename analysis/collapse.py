@@ -193,14 +193,6 @@ def reward_model_quality(runs: dict[str, list[ablation.Run]]) -> dict:
     return out
 
 
-def stat(values: list) -> tuple[float, float]:
-    """Mean and sample std over seeds, NaN for what is missing (std NaN with one seed)."""
-    v = np.array([np.nan if x is None else x for x in values], dtype=float)
-    if not len(v) or np.isnan(v).all():
-        return float("nan"), float("nan")
-    return float(np.nanmean(v)), float(np.nanstd(v, ddof=1)) if np.sum(~np.isnan(v)) > 1 else float("nan")
-
-
 def goals(m: dict, offset: float) -> list[str]:
     """The goal, checked seed by seed (the table says each number)."""
     runs, lines = m["runs"], []
@@ -234,7 +226,7 @@ def measure(runs: dict[str, list[ablation.Run]], offset: float) -> dict:
          "runs": {arm: [measure_run(ablation.load(r)) for r in rs] for arm, rs in runs.items()},
          "reward_models": reward_model_quality(runs)}
     sft = {r["seed"]: r["sft_acc"] for rows in m["runs"].values() for r in rows}  # one pi_SFT score per seed
-    m["sft_acc"] = stat(list(sft.values()))[0]
+    m["sft_acc"] = ablation.mean_std(list(sft.values()))[0]
     m["goals"] = goals(m, offset)
     return m
 
@@ -265,7 +257,7 @@ def fig2_by_position(args: Args, runs: dict[str, list[ablation.Run]]) -> dict | 
 
 def summary_line(m: dict) -> str:
     def mean(arm, key):
-        return f"{stat([r[key] for r in m['runs'][arm]])[0]:.3f}" if arm in m["runs"] else "n/a"
+        return f"{ablation.mean_std([r[key] for r in m['runs'][arm]])[0]:.3f}" if arm in m["runs"] else "n/a"
 
     return (f"collapse offset={m['offset']:+g} ppo_length_ratio={mean('ppo', 'length_ratio')} "
             f"vcppo_length_ratio={mean('vc-ppo', 'length_ratio')} ppo_acc_ratio={mean('ppo', 'acc_ratio')} "
@@ -300,7 +292,7 @@ def plot(m: dict, path: Path) -> None:
     ax = axes[3]  # the dose-response: one point per arm and seed
     for arm, rows in m["runs"].items():
         if arm == "grpo":
-            ax.axhline(stat([r["length_ratio"] for r in rows])[0], color="grey", ls="--", label="grpo (no critic)")
+            ax.axhline(ablation.mean_std([r["length_ratio"] for r in rows])[0], color="grey", ls="--", label="grpo (no critic)")
             continue
         ax.scatter([r["initial_error"] for r in rows], [r["length_ratio"] for r in rows], label=label(m, arm), s=25)
     ax.axvline(0, color="black", lw=0.5)
@@ -340,7 +332,7 @@ def plot(m: dict, path: Path) -> None:
 
 def markdown(m: dict, runs: dict[str, list[ablation.Run]]) -> str:
     def pm(arm, key, digits=3, signed=False):
-        mean, std = stat([r[key] for r in m["runs"][arm]])
+        mean, std = ablation.mean_std([r[key] for r in m["runs"][arm]])
         if np.isnan(mean):
             return "-"
         text = f"{mean:+.{digits}f}" if signed else f"{mean:.{digits}f}"
@@ -407,7 +399,7 @@ def main(args: Args, train_flags: list[str]) -> dict:
     runs = plan(args, train_flags)
     wall = 0.0
     if not args.read_only:
-        wall, _ = ablation.run_grid([r for rs in runs.values() for r in rs], args.jobs, args.out_dir)
+        wall, _ = ablation.run_grid([r for rs in runs.values() for r in rs], args.jobs)
     missing = [r.dir for rs in runs.values() for r in rs if not r.done]
     if missing and (not args.read_only or len(missing) == sum(map(len, runs.values()))):
         raise SystemExit(f"error: run(s) did not finish, see {', '.join(str(d / 'train.log') for d in missing)}")

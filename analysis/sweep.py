@@ -134,7 +134,7 @@ def run_missing(runs: dict[str, list[ablation.Run]], jobs: int) -> None:
         key = tuple(os.path.realpath(p) for p in caches) if all(os.path.isdir(p) for p in caches) else caches
         groups.setdefault(key, []).extend(cell_runs)
     for group in groups.values():
-        ablation.run_grid(group, jobs, group[0].config.out_dir)
+        ablation.run_grid(group, jobs)
 
 
 def first_last_accuracy(rows: list[dict]) -> tuple[float, float]:

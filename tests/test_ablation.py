@@ -61,6 +61,15 @@ def test_runs_evaluated_with_one_sample_report_no_pass_at_k_instead_of_crashing(
     assert row["pass@k"][0] == "pass@k" and all(math.isnan(x) for x in row["pass@k"][1:])
 
 
+def test_a_seed_with_an_undefined_value_leaves_the_others_mean_instead_of_blanking_the_cell():
+    """The critic EV of a batch with equal returns is undefined (null): one such seed turned the
+    ablation's whole cell into "-", where collapse.py's own mean skipped it."""
+    mean, std = ablation.mean_std([0.2, None, 0.4, float("nan")])
+    assert (mean, std) == pytest.approx((0.3, math.sqrt(0.02)))
+    assert ablation.mean_std([0.5, None])[0] == 0.5 and math.isnan(ablation.mean_std([0.5, None])[1])
+    assert all(math.isnan(x) for x in ablation.mean_std([None, float("nan")]))
+
+
 def test_a_finished_run_with_other_settings_is_refused(tmp_path):
     fake_run(tmp_path, "ppo", 0, 0.2, [100, 90])
     args = ablation.Args(out=tmp_path / "out", out_dir=str(tmp_path), variants=("ppo",), seeds=(0,), read_only=True)
@@ -172,14 +181,14 @@ def test_runs_waiting_for_the_shared_stages_start_once_what_they_read_is_built(t
     monkeypatch.setattr(ablation, "execute", fake_execute)
     monkeypatch.setattr(ablation, "CACHE_POLL_S", 0.01)
     threads_before = torch.get_num_threads()
-    _, failed = ablation.run_grid(runs, jobs=len(runs), out_dir=str(tmp_path))
+    _, failed = ablation.run_grid(runs, jobs=len(runs))
     assert not failed and torch.get_num_threads() == threads_before
     at = {e: i for i, e in enumerate(events)}
     assert at[f"built {sft.name} on 3 threads"] == 0 and at["start ablation__ppo__seed0"] == 1
     for seed in (0, 1):
         assert at[f"start ablation__vc-ppo__seed{seed}"] < at[f"built {orm.name}"]
     assert at[f"built {orm.name}"] < at["start ablation__ppo__seed1"] < at["end ablation__ppo__seed0"]
-    ablation.run_grid(runs, jobs=len(runs), out_dir=str(tmp_path))  # pi_SFT there: not trained again
+    ablation.run_grid(runs, jobs=len(runs))  # pi_SFT there: not trained again
     assert sum(e.startswith(f"built {sft.name}") for e in events) == 1
 
 
@@ -192,7 +201,7 @@ def test_runs_side_by_side_share_the_cores_unless_their_flags_set_threads(tmp_pa
     args = ablation.Args(out_dir=str(tmp_path), variants=("ppo",), seeds=(0,))
     (Path(tmp_path) / "_shared" / "sft").mkdir(parents=True)  # no builder: the runs start at once
     runs = ablation.plan_runs(args, []) + ablation.plan_runs(dataclasses.replace(args, seeds=(1,)), ["--threads", "3"])
-    ablation.run_grid(runs, jobs=2, out_dir=str(tmp_path))
+    ablation.run_grid(runs, jobs=2)
     by_seed = {argv[argv.index("--seed") + 1]: argv for argv in calls}
     assert by_seed["0"][by_seed["0"].index("--threads") + 1] == "2"
     assert by_seed["1"].count("--threads") == 1 and by_seed["1"][by_seed["1"].index("--threads") + 1] == "3"
