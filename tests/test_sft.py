@@ -139,3 +139,16 @@ def test_a_cached_pi_sft_is_reused_only_with_the_settings_it_records(tmp_path):
     (cache / "settings.json").unlink()
     with pytest.raises(ConfigError, match="holds no settings.json"):
         sft.prepare_sft(Config(model=None, out_dir=str(tmp_path), sft_steps=2, task_length="short"))
+
+
+def test_the_context_length_scales_the_original_length_not_an_extended_one():
+    """Llama 3.1 gives its extended 131k as max_position_embeddings beside factor 8 over 8k: it
+    was scaled again, to 1M positions; Qwen2.5's YaRN recipe (32k, factor 4) still gives 128k."""
+    from support.sft import _context_length
+
+    llama = {"max_position_embeddings": 131072,
+             "rope_scaling": {"factor": 8.0, "original_max_position_embeddings": 8192, "rope_type": "llama3"}}
+    qwen_yarn = {"max_position_embeddings": 32768, "rope_scaling": {"factor": 4.0, "type": "yarn"}}
+    assert _context_length(llama) == 131072
+    assert _context_length(qwen_yarn) == 131072
+    assert _context_length({"max_position_embeddings": 4096}) == 4096 and _context_length({}) is None

@@ -23,6 +23,13 @@ def full_disk(*args, **kwargs):
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
+def full_disk_safetensors(*args, **kwargs):
+    """safetensors' `save_file` on a full disk: its error is no OSError, only a message."""
+    from safetensors import SafetensorError
+
+    raise SafetensorError(f"Error while serializing: I/O error: {os.strerror(errno.ENOSPC)} (os error {errno.ENOSPC})")
+
+
 def tiny_actor(seed: int = 0):
     """(tokenizer, tiny 2-layer Qwen2 with head_dim 64) that stops deterministically after a "7".
 

@@ -27,7 +27,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
-from common import full_disk, tiny_actor, write_result
+from common import full_disk_safetensors, tiny_actor, write_result
 from critic import load_value_model
 from fsdp_utils import all_reduce, close_distributed, exit_now_if_gloo, init_distributed, is_main, reduce_metrics, shard_model
 import support.checkpoints
@@ -172,7 +172,7 @@ if is_main():
     }
 # Rank 0's disk fills at its first shard: rank 1 is still in the gathers of the next ones, so both
 # must finish them and raise, not hang; the export before is kept and no .tmp is left.
-support.checkpoints.save_file, saved = full_disk, support.checkpoints.save_file
+support.checkpoints.save_file, saved = full_disk_safetensors, support.checkpoints.save_file  # as the real one fails
 try:
     export_hf_checkpoint(model, tokenizer, export, shard_bytes=1 << 20)
     result["export_full_disk"] = "no error"
