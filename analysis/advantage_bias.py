@@ -166,12 +166,12 @@ def box_starts(tokenizer, rollouts) -> list[list[tuple[int, int]]]:
     """Per rollout batch, per response: the token indices (b, e) where its last `\\boxed{` begins and
     where the box's content begins ((-1, -1): none). The "?" of a guess comes before it, so b is the
     first token of the box itself; e - b is as many tokens as `\\boxed{` takes in this tokenizer."""
+    count = lambda prefix: len(tokenizer(prefix, add_special_tokens=False)["input_ids"])  # noqa: E731
     out = []
     for scored in rollouts:
         starts = []
         for text in scored.texts:
             i = text.rfind(BOX_OPEN)
-            count = lambda prefix: len(tokenizer(prefix, add_special_tokens=False)["input_ids"])  # noqa: E731
             starts.append((-1, -1) if i < 0 else (count(text[:i]), count(text[: i + len(BOX_OPEN)])))
         out.append(starts)
     return out

@@ -7,9 +7,10 @@ one decoding step's SDPA in pi_SFT's shape (2 query heads over 1 key/value head 
 mask the decode loops pass, `enable_gqa`), --shapes shapes with rows shrinking from 64 and a new key
 length each time, under each set of SDPA backends: torch's default choice, the backends train.py
 leaves SDPA on a GPU (all but cuDNN: `fsdp_utils.attention_without_cudnn`), and on CUDA cuDNN alone.
-Each set loads its kernels on a shape outside the timed ones first, then meets key lengths (~300) no other set
-met; a set this machine cannot run is reported and skipped. On the GPU in bf16, synchronised around
-every call; on the CPU (--device cpu, a check of the code) in fp32, where cuDNN does not exist.
+Each set loads its kernels on a shape outside the timed ones first, then meets key lengths (~300)
+no other set met; a set this machine cannot run is reported and skipped. On the GPU in bf16,
+synchronised around every call; on the CPU (--device cpu, a check of the code) in fp32, where
+cuDNN does not exist.
 The last line:
     sdpa_new_shape first_ms=<default>,<without cuDNN> again_ms=<default>,<without cuDNN>
 
@@ -27,6 +28,8 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from rollout_bench import synchronize
 
 BACKENDS = {
     "default": None,  # torch's own choice
@@ -46,12 +49,10 @@ def decoding_attention(rows: int, keys: int, device: str, dtype: torch.dtype):
 
 
 def timed_ms(call, device: str) -> float:
-    if device == "cuda":
-        torch.cuda.synchronize()
+    synchronize(device)
     start = time.perf_counter()
     call()
-    if device == "cuda":
-        torch.cuda.synchronize()
+    synchronize(device)
     return (time.perf_counter() - start) * 1e3
 
 
