@@ -16,7 +16,11 @@
 #   5. the memory plan of the 32B preset;
 #   6. bench/sdpa_shapes_bench.py (SDPA's cost of a new shape, with cuDNN and without), then
 #      bench/rollout_bench.py on the GPU: `generate` against the fast HF path (bf16, pi_SFT's shape,
-#      64 x up to 300 tokens, with EOS and without), and where each spends its host and GPU time.
+#      64 x up to 300 tokens, with EOS and without), and where each spends its host and GPU time;
+#   7. train.py with the qwen2.5-1.5b preset's settings (bf16, activation checkpointing, micro-batches
+#      of one row, the paper's learning rates) on a random model of Qwen2.5-0.5B's decoder shape and
+#      the built-in task's tokenizer (--model), --rollout hf, responses cut to 512 tokens: 2
+#      value-pretraining and 2 PPO steps of 64 responses, an evaluation, the bf16 export.
 # GPU time is scarce, so one failed part does not stop the others: each part runs on its own, each
 # command in it bounded by the part's time limit, and a summary of every part's result and seconds
 # ends the output (exit status 1 if any part failed). GPU_SMOKE_PARTS picks parts and their order.
@@ -51,6 +55,8 @@ if [ "$DRY" = 1 ]; then
   echo "== DRY RUN on the CPU: tiny shapes, no GPU figures"
   GPU_FLAGS=(--no-mixed-precision) ; MFU_FLAGS=(--dry-run --rows 4 --repeats 1) ; GAE_FLAGS=(--device cuda --dry-run) ; HAVE_VLLM=0
   ROLLOUT_FLAGS=(--models tiny --prompts 4 --new-tokens 8 --repeats 1) ; SDPA_FLAGS=(--device cpu --shapes 4)
+  SHAPE_0P5B=(num_layers=2 hidden_size=128 num_heads=2 num_kv_heads=1 intermediate_size=256)
+  PRESET_RUN=(--max-new-tokens 24 --max-prompt-tokens 64 --prompts-per-step 8 --task-eval-size 4)
   PIPELINE=(--sft-steps 4 --task-train-size 64 --task-eval-size 4 --prompts-per-step 4 --samples-per-prompt 2
             --max-new-tokens 24 --micro-batch-size 3 --num-minibatches 2 --eval-samples 2 --value-pretrain-steps 1 --steps 2)
 else
@@ -59,6 +65,8 @@ else
   GPU_FLAGS=(--mixed-precision) ; MFU_FLAGS=(--repeats 2) ; GAE_FLAGS=(--device cuda)
   ROLLOUT_FLAGS=(--device cuda --models sft --new-tokens 300 --repeats 2) ; SDPA_FLAGS=(--device cuda)
   PIPELINE=(--sft-steps 100 --value-pretrain-steps 3 --steps 3)
+  SHAPE_0P5B=(num_layers=24 hidden_size=896 num_heads=14 num_kv_heads=2 intermediate_size=4864)
+  PRESET_RUN=(--max-new-tokens 512 --max-prompt-tokens 64 --prompts-per-step 64 --task-eval-size 32)
 fi
 "$PY" -c 'import torch, transformers, numba; print(f"torch {torch.__version__} (CUDA: {torch.cuda.is_available()}), transformers {transformers.__version__}, numba {numba.__version__}")'
 
@@ -196,12 +204,32 @@ part6() {
   bounded "$PY" bench/rollout_bench.py "${ROLLOUT_FLAGS[@]}" --backends hf hf-fast --no-eos --profile
 }
 
+part7() {
+  echo "== part 7: the qwen2.5-1.5b preset's settings on a random model of Qwen2.5-0.5B's decoder shape, --rollout hf"
+  bounded "$PY" - "$WORK/model-0.5b" "${SHAPE_0P5B[@]}" <<'EOF'
+import sys
+from support.task import build_tokenizer, make_tiny_model
+tokenizer = build_tokenizer()
+shape = {k: int(v) for k, v in (a.split("=") for a in sys.argv[2:])}
+model = make_tiny_model(tokenizer, seed=0, max_position_embeddings=4096, **shape)
+model.save_pretrained(sys.argv[1])
+tokenizer.save_pretrained(sys.argv[1])
+print(f"{sys.argv[1]}: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, {shape}")
+EOF
+  bounded "$PY" train.py --preset qwen2.5-1.5b --model "$WORK/model-0.5b" --out-dir "$WORK/runs" --run-name preset \
+    --rollout hf "${PRESET_RUN[@]}" --value-pretrain-steps 2 --steps 2 --eval-samples 1 "${GPU_FLAGS[@]}"
+  test -f "$WORK/runs/preset/summary.json"
+  "$PY" -c 'import json, sys; rows = [json.loads(l) for l in open(sys.argv[1])]
+for r in rows: print({k: round(v, 2) for k, v in r.items() if k.startswith("timing_s/") or k in ("step", "response_length/mean")})' \
+    "$WORK/runs/preset/metrics.jsonl"
+}
+
 # Limits in seconds, then the parts in the order asked for. A part runs in a subshell with -e, so its
 # first failing command ends that part and no other.
-declare -A LIMITS=([0]=120 [1]=180 [2]=180 [3]=240 [4]=300 [5]=60 [6]=180)
-PARTS=${GPU_SMOKE_PARTS:-0 1 2 3 4 5 6}
+declare -A LIMITS=([0]=120 [1]=180 [2]=180 [3]=240 [4]=300 [5]=60 [6]=180 [7]=300)
+PARTS=${GPU_SMOKE_PARTS:-0 1 2 3 4 5 6 7}
 for part in $PARTS; do  # every name checked before any GPU time is spent
-  if [ -z "${LIMITS[$part]:-}" ]; then echo "error: GPU_SMOKE_PARTS: no part $part (parts are 0-6)"; exit 2; fi
+  if [ -z "${LIMITS[$part]:-}" ]; then echo "error: GPU_SMOKE_PARTS: no part $part (parts are 0-7)"; exit 2; fi
 done
 SUMMARY=() FAILED=0
 for part in $PARTS; do

@@ -164,7 +164,7 @@ def test_gpu_smoke_refuses_an_unknown_part_before_running_any():
     done = subprocess.run(["bash", str(ROOT / "bench" / "gpu_smoke.sh")], env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 2
-    assert "error: GPU_SMOKE_PARTS: no part 4b (parts are 0-6)" in done.stdout
+    assert "error: GPU_SMOKE_PARTS: no part 4b (parts are 0-7)" in done.stdout
     assert "== part 5" not in done.stdout and "summary" not in done.stdout
 
 
