@@ -14,6 +14,7 @@ import os
 import socket
 import sys
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,9 @@ class DistInfo:
 
 # Set by init_distributed when the process group is gloo's, whose threads outlive it (exit_now_if_gloo).
 _gloo_threads = False
+# A gloo group of every rank whose waits have no practical time limit (wait_for_main); init_distributed makes it.
+_patient_group = None
+PATIENT_TIMEOUT = timedelta(days=7)
 
 
 def init_distributed(cpu_collectives: bool = False) -> DistInfo:
@@ -39,7 +43,7 @@ def init_distributed(cpu_collectives: bool = False) -> DistInfo:
     cpu_collectives (--cpu-offload): on GPUs, gloo too for tensors on the CPU, such as the partial
     gradient norms of offloaded shards that clip_grad_norm_ all-reduces (NCCL has no CPU backend).
     On a GPU it also keeps cuDNN out of the process's SDPA (`attention_without_cudnn`)."""
-    global _gloo_threads
+    global _gloo_threads, _patient_group
     if "RANK" not in os.environ and torch.cuda.is_available():
         launch_as_one_rank()
     if "RANK" not in os.environ:
@@ -54,6 +58,8 @@ def init_distributed(cpu_collectives: bool = False) -> DistInfo:
     if not dist.is_initialized():
         dist.init_process_group(backend=backend)
     _gloo_threads = "gloo" in dist.get_backend()  # cpu:gloo,cuda:nccl (--cpu-offload) runs gloo too
+    if _patient_group is None:  # made by every rank at the same point, as new_group must be
+        _patient_group = dist.new_group(backend="gloo", timeout=PATIENT_TIMEOUT)
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
 
 
@@ -97,9 +103,11 @@ def distributed() -> bool:
 def close_distributed() -> None:
     """Leave torchrun's process group once every rank is done (a no-op in one process): a rank
     that exits with the group still up can abort while the others still talk to it."""
+    global _patient_group
     if distributed():
         barrier()
         dist.destroy_process_group()
+        _patient_group = None
 
 
 def exit_now_if_gloo(status: int = 0) -> None:
@@ -267,6 +275,16 @@ def world_size() -> int:
 def local_device() -> torch.device:
     """This rank's GPU (the one init_distributed selected), or the CPU where there is none."""
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def wait_for_main() -> None:
+    """`barrier` where the other ranks wait while rank 0 works alone: it trains the built-in task's
+    pi_SFT (`rundir.build_once`), 20-30 min for the long task's on all of a CPU's cores, longer on
+    its share of them under torchrun. Through a gloo group without the process group's time limit
+    (30 min on gloo, 10 on NCCL), which ended that wait with a timeout on every other rank. A rank 0
+    that fails still ends it at once: its connections close, and torchrun stops the rest."""
+    if distributed():
+        dist.barrier(group=_patient_group)
 
 
 def barrier() -> None:

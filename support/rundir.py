@@ -216,7 +216,8 @@ def build_once(path: str, settings: dict, build, owner: str, remedy: str = "dele
     building it: two runs building one stage at once never mix their files, and a killed build's
     rerun finds its own leftovers), which then gets settings.json and its final name. True if built
     now. `build` runs on every rank (a collective export needs them all; a stage that one rank
-    builds checks the rank itself); rank 0 renames. A build that finds `path` taken when it ends
+    builds checks the rank itself, and the others wait for it as long as it takes:
+    `fsdp_utils.wait_for_main`); rank 0 renames. A build that finds `path` taken when it ends
     (another run built it meanwhile) is dropped, as are the leftovers of an owner's killed build
     once another run has built the stage."""
     staging = f"{path}.partial-{owner}"
@@ -238,7 +239,7 @@ def build_once(path: str, settings: dict, build, owner: str, remedy: str = "dele
             if not os.path.isdir(path):
                 raise
             shutil.rmtree(staging)
-    fsdp_utils.barrier()
+    fsdp_utils.wait_for_main()  # for as long as rank 0 builds alone (pi_SFT)
     return True
 
 

@@ -150,6 +150,41 @@ sys.exit(3)  # reached only if the process did not leave at once
 """
 
 
+PATIENT_WORKER = """
+import json, os, sys, time
+from datetime import timedelta
+import torch.distributed as dist
+import fsdp_utils
+from support import rundir
+# A group timeout of 3 s stands for gloo's 30 min, and rank 0's 8 s of building for a long pi_SFT's 30-60 min.
+dist.init_process_group("gloo", timeout=timedelta(seconds=3))
+info = fsdp_utils.init_distributed()
+
+
+def build(staging):
+    if info.rank == 0:  # as prepare_sft's: rank 0 alone trains it
+        time.sleep(8)
+        open(os.path.join(staging, "weights"), "w").close()
+
+
+built = rundir.build_once(os.path.join(sys.argv[1], "stage"), {"steps": 1}, build, owner="run")
+with open(os.path.join(sys.argv[1], f"rank{info.rank}.json"), "w") as f:
+    json.dump({"built": built, "stage": sorted(os.listdir(os.path.join(sys.argv[1], "stage")))}, f)
+fsdp_utils.close_distributed()
+fsdp_utils.exit_now_if_gloo()
+"""
+
+
+@pytest.mark.slow
+def test_ranks_wait_for_a_stage_rank_0_builds_alone_past_the_process_groups_timeout(tmp_path):
+    """pi_SFT is trained by rank 0 alone (the long task's: 20-30 min on all of a CPU's cores) while
+    the others waited in a barrier that gloo's 30 min timeout (NCCL's 10) ended on every rank but 0."""
+    script = tmp_path / "patient_worker.py"
+    script.write_text(PATIENT_WORKER)
+    results = run_torchrun(str(script), str(tmp_path))  # raises when a rank timed out
+    assert results == [{"built": True, "stage": ["settings.json", "weights"]}] * 2
+
+
 FOREIGN_GROUP_WORKER = """
 import json, os, socket, sys
 import torch.distributed as dist
