@@ -347,7 +347,12 @@ def main(cfg: Config) -> dict:
     torch.set_num_threads(cpu_threads(cfg))
     torch.manual_seed(cfg.seed)
     with rundir.locked(cfg) as run_dir, preemption.handled(lambda: left_behind(run_dir)):
-        return run(cfg, dist_info)
+        try:
+            return run(cfg, dist_info)
+        except OSError as err:  # a full disk or a lost mount under rank 0's logs, summary or stage files
+            if isinstance(err, FileNotFoundError):  # a missing input: its own message says which
+                raise
+            raise OSError(f"{err}. {left_behind(run_dir)}") from None
 
 
 def left_behind(run_dir: str) -> str:
@@ -463,9 +468,9 @@ def print_summary(summary: dict, run_dir: str) -> None:
 if __name__ == "__main__":
     try:
         main(parse_config(sys.argv[1:], description=__doc__))
-    # Bad settings or input, a diverged model, an unreadable checkpoint: the message says which and where.
-    except (ConfigError, DataError, ModelError, FileNotFoundError, FloatingPointError,
-            checkpoints.CheckpointError) as err:
+    # Bad settings or input, a diverged model, an unreadable checkpoint, a file that cannot be written:
+    # the message says which and where.
+    except (ConfigError, DataError, ModelError, OSError, FloatingPointError, checkpoints.CheckpointError) as err:
         sys.exit(f"error: {err}")
     except preemption.Preempted as stopped:  # its line is printed: exit as a signal would end it
         fsdp_utils.exit_now_if_gloo(stopped.exit_code)

@@ -147,6 +147,26 @@ def test_a_full_disk_during_a_save_names_the_cause_and_keeps_the_last_checkpoint
     assert checkpoints.checkpoint_extra(str(run_dir / "checkpoint"))["step"] == 3
 
 
+def test_a_full_disk_under_the_metrics_log_says_so_in_one_line_with_what_the_run_kept(base, tmp_path, monkeypatch):
+    """A write only rank 0 makes (metrics.jsonl, summary.json, a stage's settings) raised a bare OSError
+    traceback; now its message names the file and the cause, the last checkpoint, and --resume."""
+    moved = moved_copy(base, tmp_path)
+    real_write = rundir.MetricsLog.write
+
+    def full(self, step, metrics):
+        if step == 5:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.path)
+        return real_write(self, step, metrics)
+
+    monkeypatch.setattr(rundir.MetricsLog, "write", full)
+    with pytest.raises(OSError, match=rf"No space left on device: '{moved}/base/metrics.jsonl'\. Last checkpoint: "
+                                      rf"{moved}/base/checkpoint\. Finished stages are kept; resume with the same command and --resume"):
+        train.main(micro_config(moved, "--run-name", "base", "--steps", "7", "--resume", *FLAGS))
+    monkeypatch.setattr(rundir.MetricsLog, "write", real_write)
+    train.main(micro_config(moved, "--run-name", "base", "--steps", "7", "--resume", *FLAGS))
+    assert [r["step"] for r in read_metrics(moved / "base")] == list(range(7))
+
+
 def test_no_hugging_face_snapshot_is_lost_to_a_failed_export_or_to_extending_a_finished_run(base, tmp_path,
                                                                                              monkeypatch):
     """--save-hf-every: a snapshot whose export failed after its step's checkpoint saved was never
