@@ -120,9 +120,14 @@ def field(record: dict, key: str):
 
 GSM8K_MARK = "####"
 # The answer after the mark: a sign (before or after a dollar sign), digits with thousands
-# separators (commas; spaces or thin spaces before three digits), a decimal part or a bare one
-# (.5), and a fraction (3/4).
-_NUMBER = re.compile(r"\$?[-\u2212]?\$?(?:\d+(?:,\d+|[ \u2009\u202f]\d{3}(?!\d))*)?(?:\.\d+)?(?:/\d+)?")
+# separators (commas, or spaces, no-break or thin ones, before three digits; India's 1,00,000 too),
+# a decimal part or a bare one (.5), and a fraction (3/4).
+_NUMBER = re.compile(r"\$?[-\u2212]?\$?(?:\d+(?:,\d{2}(?=,\d)|,\d{3}(?!\d)|[ \u00a0\u2009\u202f]\d{3}(?!\d))*)?"
+                     r"(?:\.\d+)?(?:/\d+)?")
+# What makes that number a piece of a longer one (2,5 12:30 1e5 3 1/2 \frac{1}{2} 5 - 3): its first
+# digits would be a wrong gold, against which every right response scores -1.
+_GLUED_BEFORE = re.compile(r"[\w{^_/.\\]$")
+_GLUED_AFTER = re.compile(r"\s?[-+*=,.:/^_{}\u2212]*\s?\d|[eE][-+]?\d|[{}^_]")
 
 
 def gold_answer(answer: str, answer_format: Literal["gsm8k", "math"] | None) -> str:
@@ -131,7 +136,7 @@ def gold_answer(answer: str, answer_format: Literal["gsm8k", "math"] | None) -> 
     Unicode minus read as `-` ("gsm8k"; None detects it: an answer whose last line starts with `####`
     and that holds no `\\boxed{}`, since a Markdown heading is `####` too). Otherwise ("math") the answer as
     written: the grader takes its last `\\boxed{}` if it has one. ValueError for a GSM8K answer
-    without a number after `####`."""
+    without a number after `####`, or with a piece of a longer one (`2,5`, `12:30`, `\\frac{1}{2}`)."""
     if answer_format is None:
         last_line = answer.strip().rpartition("\n")[2].strip()
         gsm8k = last_line.startswith(GSM8K_MARK) and "\\boxed" not in answer
@@ -140,10 +145,14 @@ def gold_answer(answer: str, answer_format: Literal["gsm8k", "math"] | None) -> 
         return answer
     if GSM8K_MARK not in answer:
         raise ValueError(f"no '{GSM8K_MARK} <number>' in the answer (GSM8K format)")
-    numbers = [m for m in _NUMBER.findall(answer.rpartition(GSM8K_MARK)[2]) if any(c.isdigit() for c in m)]
-    if not numbers:
+    tail = answer.rpartition(GSM8K_MARK)[2]
+    found = next((m for m in _NUMBER.finditer(tail) if any(c.isdigit() for c in m.group())), None)
+    if found is None:
         raise ValueError(f"no number after '{GSM8K_MARK}' in the answer (GSM8K format)")
-    number = re.sub(r"[$, \u2009\u202f]", "", numbers[0]).replace("\u2212", "-")
+    if _GLUED_BEFORE.search(tail[:found.start()]) or _GLUED_AFTER.match(tail, found.end()):
+        raise ValueError(f"the answer after '{GSM8K_MARK}' is not one number (GSM8K format; write it as one: "
+                         f"1000, 2.5, -3/4)")
+    number = re.sub(r"[$, \u00a0\u2009\u202f]", "", found.group()).replace("\u2212", "-")
     return re.sub(r"^(-?)\.", r"\g<1>0.", number)  # .5 -> 0.5
 
 

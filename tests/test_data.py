@@ -364,12 +364,24 @@ def test_several_files_a_folder_a_glob_and_json_arrays(tmp_path):
     ("#### 72", "72"), ("#### 1,000", "1000"), ("#### 1 000 000", "1000000"), ("#### 1\u202f000", "1000"),
     ("#### .5", "0.5"), ("#### -.25", "-0.25"), ("#### 3/4", "3/4"), ("#### \u22125", "-5"),
     ("#### $1,200 a month", "1200"), ("#### -$5", "-5"), ("#### $-5", "-5"), ("#### 18 dollars per 2 hours", "18"), ("x\n#### 3\n#### 4", "4"),
+    ("#### 1\u00a0000", "1000"), ("#### 1,00,000", "100000"), ("#### 42.", "42"), ("#### 5 apples and 3 pears", "5"),
 ])
 def test_a_gsm8k_gold_is_the_whole_number_after_the_mark(answer, gold):
     """It took the last run of digits: .5 -> 5, 3/4 -> 4, 1 000 000 -> 000, a Unicode minus dropped."""
     from support.data import gold_answer
 
     assert gold_answer(answer, "gsm8k") == gold
+
+
+@pytest.mark.parametrize("after_mark", ["2,5", "12,34", "1,00", "1e5", "12:30", "3 1/2", "\\frac{1}{2}", "x^2", "5 - 3 = 2"])
+def test_a_gsm8k_answer_that_is_not_one_number_is_a_bad_record_not_its_first_digits(tmp_path, after_mark):
+    """`#### 2,5` gave the gold 25, `#### 1e5` 1, `#### \\frac{1}{2}` 1, `#### 12:30` 12: a wrong gold
+    against which every right response scored -1, in silence."""
+    rows = [{"prompt": "x", "answer": "#### 7"}, {"prompt": "y", "answer": f"Work.\n#### {after_mark}"}]
+    with pytest.raises(DataError, match=r"d\.jsonl:2: the answer after '####' is not one number .*field 'answer'"):
+        load_records(write_jsonl(tmp_path / "d.jsonl", rows), char_tokenizer())
+    records, stats = load_records(tmp_path / "d.jsonl", char_tokenizer(), on_error="skip")
+    assert [r["answer"] for r in records] == ["7"] and stats.skipped_malformed == 1
 
 
 def test_a_markdown_heading_is_no_gsm8k_mark_and_numeric_answers_read_as_written(tmp_path):
