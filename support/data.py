@@ -28,6 +28,7 @@ are dropped and counted: a cut prompt would be a different question.
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import glob
 import hashlib
 import json
@@ -53,6 +54,8 @@ class LoadStats:
     loaded: int = 0  # records returned
     skipped_malformed: int = 0  # bad lines skipped under on_error="skip"
     dropped_too_long: int = 0  # prompts over max_prompt_tokens
+    # The first skipped line, as the error it would have stopped on: a wrong --prompt-key skips every line.
+    first_skipped: str = dataclasses.field(default="", compare=False)
 
 
 class DataError(ValueError):
@@ -346,10 +349,11 @@ def load_records(
                 prompt, answer = _check(where, raw, prompt_key, answer_key, answer_format)
                 prompt = apply_template(prompt, prompt_template)
                 _check_not_templated(where, prompt, template_marks)
-            except DataError:
+            except DataError as e:
                 if on_error == "raise":
                     raise
                 stats.skipped_malformed += 1
+                stats.first_skipped = stats.first_skipped or str(e)
                 continue
             try:  # not a fault of the record, so never skipped: a tokenizer without a chat template
                 prompt_ids = encode_prompt(tokenizer, prompt)
@@ -466,10 +470,12 @@ def _load(cfg, spec: str, tokenizer, prompt_key: str, answer_key: str, answer_fo
     """The records of one --data or --val-data value, with the run's template and this answer format."""
     records, stats = load_records(spec, tokenizer, prompt_key, answer_key, cfg.max_prompt_tokens,
                                   "skip" if cfg.skip_bad_records else "raise", cfg.prompt_template, answer_format)
+    first = f"; the first skipped: {stats.first_skipped}" if stats.first_skipped else ""
     _say(f"data: {stats.loaded} records from {spec} ({stats.skipped_malformed} malformed skipped, "
-          f"{stats.dropped_too_long} over {cfg.max_prompt_tokens} tokens dropped)")
+          f"{stats.dropped_too_long} over {cfg.max_prompt_tokens} tokens dropped{first})")
     if not records:
-        raise DataError(f"{spec}: no usable records")
+        raise DataError(f"{spec}: no usable records ({stats.skipped_malformed} malformed skipped, "
+                        f"{stats.dropped_too_long} over --max-prompt-tokens {cfg.max_prompt_tokens}{first})")
     return records
 
 

@@ -129,6 +129,25 @@ def test_unreadable_parquet_and_empty_splits_are_data_errors(tmp_path):
         prepare_data(cfg, char_tokenizer())  # round(3 * 0.1) = 0 held out
 
 
+def test_records_all_skipped_say_why_the_first_was(tmp_path, capsys):
+    """--skip-bad-records with a wrong --prompt-key skips every line: the run stopped with "no usable
+    records" alone, and never named the missing field."""
+    from types import SimpleNamespace
+
+    from support.data import prepare_data
+
+    rows = [{"question": g["prompt"], "answer": g["answer"]} for g in GOOD]
+    cfg = SimpleNamespace(data=str(write_jsonl(tmp_path / "d.jsonl", rows)), prompt_key="prompt",
+                          answer_key="answer", max_prompt_tokens=64, skip_bad_records=True, eval_fraction=0.5,
+                          val_data=None, prompt_template=None, answer_format=None)
+    with pytest.raises(DataError, match=r"d\.jsonl: no usable records \(3 malformed skipped, 0 over "
+                                        r"--max-prompt-tokens 64; the first skipped: .*d\.jsonl:1: missing field 'prompt'\)"):
+        prepare_data(cfg, char_tokenizer())
+    write_jsonl(tmp_path / "d.jsonl", GOOD + rows[:1])
+    prepare_data(cfg, char_tokenizer())
+    assert "3 records from" in (out := capsys.readouterr().out) and "d.jsonl:4: missing field 'prompt'" in out
+
+
 def test_bad_arguments_give_clear_errors(tmp_path):
     with pytest.raises(DataError, match="no file"):
         load_records(tmp_path / "absent.jsonl", char_tokenizer())
