@@ -171,7 +171,28 @@ def apply_template(prompt: str | list[dict], template: str | None) -> str | list
             *prompt[last + 1:]]
 
 
+def _whole_file_json(path: Path) -> None:
+    """DataError when the file is one JSON value spread over lines (`json.dump(..., indent=2)`): read as
+    JSON lines, its first line `{` was reported as a malformed line cut short."""
+    with path.open("rb") as f:
+        first = f.readline(1 << 16).removeprefix(codecs.BOM_UTF8).strip()
+    if first not in (b"{", b"["):
+        return
+    try:
+        whole = json.loads(path.read_bytes().decode("utf-8-sig"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return  # malformed: its lines say where
+    if isinstance(whole, list):
+        if path.suffix.lower() == ".jsonl":
+            raise DataError(f"{path}: a JSON array, not JSON lines (one record a line): name the file .json")
+        return
+    keys = ", ".join(map(str, list(whole)[:8])) if isinstance(whole, dict) else type(whole).__name__
+    raise DataError(f"{path}: one JSON object over several lines (keys: {keys}), not an array of records or JSON "
+                    f"lines (one record a line)")
+
+
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, object]]:
+    _whole_file_json(path)
     with path.open("rb") as f:  # decoded line by line: one bad line is one bad record
         for lineno, raw in enumerate(f, start=1):
             where = f"{path}:{lineno}"

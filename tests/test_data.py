@@ -416,6 +416,23 @@ def test_a_markdown_heading_is_no_gsm8k_mark_and_numeric_answers_read_as_written
         load_records(tmp_path / "d.json", char_tokenizer())
 
 
+def test_one_json_value_over_several_lines_is_named_not_taken_for_a_line_cut_short(tmp_path):
+    """`json.dump(..., indent=2)` of an object (`{"data": [...]}`) in a .json file, or of an array in a
+    .jsonl file, was refused as "malformed JSON (...: the line ends at column 1, cut short?)"."""
+    (tmp_path / "d.json").write_text(json.dumps({"version": 1, "data": GOOD}, indent=2))
+    with pytest.raises(DataError, match=r"d\.json: one JSON object over several lines \(keys: version, data\), "
+                                        r"not an array of records or JSON lines"):
+        load_records(tmp_path / "d.json", char_tokenizer())
+    (tmp_path / "d.jsonl").write_text(json.dumps(GOOD, indent=2))
+    with pytest.raises(DataError, match=r"d\.jsonl: a JSON array, not JSON lines .*: name the file \.json"):
+        load_records(tmp_path / "d.jsonl", char_tokenizer())
+    (tmp_path / "d.jsonl").rename(tmp_path / "e.json")
+    assert len(load_records(tmp_path / "e.json", char_tokenizer())[0]) == len(GOOD)
+    (tmp_path / "d.jsonl").write_text('{\n"prompt": "x", "answer": \n')  # malformed: still named by its line
+    with pytest.raises(DataError, match=r"d\.jsonl:1: malformed JSON"):
+        load_records(tmp_path / "d.jsonl", char_tokenizer())
+
+
 def test_a_byte_order_mark_a_home_folder_and_a_whole_conversation(tmp_path, monkeypatch):
     """Files saved by Windows tools start with a UTF-8 byte-order mark: line 1 and a .json array were
     refused as malformed. `~` in a quoted glob was not expanded. A message list ending with the
