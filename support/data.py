@@ -380,6 +380,14 @@ def load_records(
                 prompt_ids = encode_prompt(tokenizer, prompt)
             except DataError as e:
                 raise DataError(f"{where}: {e}") from None
+            if not prompt_ids:  # a tokenizer that drops the characters it lacks: the rollout needs a token
+                error = DataError(f"{where}: the prompt has no token in the model's tokenizer (it drops every "
+                                  f"character of {str(prompt)[:40]!r})")
+                if on_error == "raise":
+                    raise error
+                stats.skipped_malformed += 1
+                stats.first_skipped = stats.first_skipped or str(error)
+                continue
             if max_prompt_tokens is not None and len(prompt_ids) > max_prompt_tokens:
                 stats.dropped_too_long += 1
                 continue

@@ -433,6 +433,18 @@ def test_one_json_value_over_several_lines_is_named_not_taken_for_a_line_cut_sho
         load_records(tmp_path / "d.jsonl", char_tokenizer())
 
 
+def test_a_prompt_of_no_tokens_is_a_bad_record_not_a_failed_rollout(tmp_path):
+    """The built-in character tokenizer drops what it lacks: a prompt of other characters had no
+    token, and the run stopped at its first rollout in a ValueError of rollout.left_pad."""
+    from support.task import build_tokenizer
+
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "12*2^a=\n", "answer": "24"}, {"prompt": "日本語", "answer": "2"}])
+    with pytest.raises(DataError, match=r"d\.jsonl:2: the prompt has no token in the model's tokenizer"):
+        load_records(path, build_tokenizer())
+    records, stats = load_records(path, build_tokenizer(), on_error="skip")
+    assert len(records) == 1 and stats.skipped_malformed == 1 and "d.jsonl:2" in stats.first_skipped
+
+
 def test_a_byte_order_mark_a_home_folder_and_a_whole_conversation(tmp_path, monkeypatch):
     """Files saved by Windows tools start with a UTF-8 byte-order mark: line 1 and a .json array were
     refused as malformed. `~` in a quoted glob was not expanded. A message list ending with the
