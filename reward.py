@@ -47,9 +47,10 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
 # (`\\boxed 42`: the whole number, which is what a model writing it means, not TeX's single token).
 _BOX_OPEN = re.compile(r"\\(?:boxed|fbox)(?:\s*\{|\s+(?=[^\s{]))")
 _UNBRACED = re.compile(r"[^\s$]+")
-# Thin and other spaces between digit groups (`1\,000`, `1\;000`, `1~000`): math-verify reads
-# `1\,000` as no number; they go, as the thousands commas it already reads do.
-_DIGIT_GROUP_SPACE = re.compile(r"(?<=\d)(?:\\[,;:!]|\\ |~)\s*(?=\d{3}(?!\d))")
+# Thin and other spaces between digit groups (`1\,000`, `1\;000`, `1~000`; `1 000`, which TeX sets
+# as 1000; a no-break or thin space): math-verify reads `1\,000` as no number and `1 000` as another;
+# they go, as the thousands commas it already reads do.
+_DIGIT_GROUP_SPACE = re.compile(r"(?<=\d)(?:\\[,;:!]|\\ |~|[ \u00a0\u2009\u202f])\s*(?=\d{3}(?!\d))")
 # ASCII digits only: math-verify reads Arabic-Indic (١٢٣٤) or full-width (１２３４) digits as no
 # number at all, and the fast path must not decide otherwise than math-verify would.
 _PLAIN_INT = re.compile(r"-?[0-9]{1,50}")

@@ -28,6 +28,7 @@ are dropped and counted: a cut prompt would be a different question.
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import glob
 import hashlib
 import json
@@ -53,6 +54,8 @@ class LoadStats:
     loaded: int = 0  # records returned
     skipped_malformed: int = 0  # bad lines skipped under on_error="skip"
     dropped_too_long: int = 0  # prompts over max_prompt_tokens
+    # The first skipped line, as the error it would have stopped on: a wrong --prompt-key skips every line.
+    first_skipped: str = dataclasses.field(default="", compare=False)
 
 
 class DataError(ValueError):
@@ -120,9 +123,14 @@ def field(record: dict, key: str):
 
 GSM8K_MARK = "####"
 # The answer after the mark: a sign (before or after a dollar sign), digits with thousands
-# separators (commas; spaces or thin spaces before three digits), a decimal part or a bare one
-# (.5), and a fraction (3/4).
-_NUMBER = re.compile(r"\$?[-\u2212]?\$?(?:\d+(?:,\d+|[ \u2009\u202f]\d{3}(?!\d))*)?(?:\.\d+)?(?:/\d+)?")
+# separators (commas, or spaces, no-break or thin ones, before three digits; India's 1,00,000 too),
+# a decimal part or a bare one (.5), and a fraction (3/4).
+_NUMBER = re.compile(r"\$?[-\u2212]?\$?(?:\d+(?:,\d{2}(?=,\d)|,\d{3}(?!\d)|[ \u00a0\u2009\u202f]\d{3}(?!\d))*)?"
+                     r"(?:\.\d+)?(?:/\d+)?")
+# What makes that number a piece of a longer one (2,5 12:30 1e5 3 1/2 \frac{1}{2} 5 - 3): its first
+# digits would be a wrong gold, against which every right response scores -1.
+_GLUED_BEFORE = re.compile(r"[\w{^_/.\\]$")
+_GLUED_AFTER = re.compile(r"\s?[-+*=,.:/^_{}\u2212]*\s?\d|[eE][-+]?\d|[{}^_]")
 
 
 def gold_answer(answer: str, answer_format: Literal["gsm8k", "math"] | None) -> str:
@@ -131,7 +139,7 @@ def gold_answer(answer: str, answer_format: Literal["gsm8k", "math"] | None) -> 
     Unicode minus read as `-` ("gsm8k"; None detects it: an answer whose last line starts with `####`
     and that holds no `\\boxed{}`, since a Markdown heading is `####` too). Otherwise ("math") the answer as
     written: the grader takes its last `\\boxed{}` if it has one. ValueError for a GSM8K answer
-    without a number after `####`."""
+    without a number after `####`, or with a piece of a longer one (`2,5`, `12:30`, `\\frac{1}{2}`)."""
     if answer_format is None:
         last_line = answer.strip().rpartition("\n")[2].strip()
         gsm8k = last_line.startswith(GSM8K_MARK) and "\\boxed" not in answer
@@ -140,10 +148,14 @@ def gold_answer(answer: str, answer_format: Literal["gsm8k", "math"] | None) -> 
         return answer
     if GSM8K_MARK not in answer:
         raise ValueError(f"no '{GSM8K_MARK} <number>' in the answer (GSM8K format)")
-    numbers = [m for m in _NUMBER.findall(answer.rpartition(GSM8K_MARK)[2]) if any(c.isdigit() for c in m)]
-    if not numbers:
+    tail = answer.rpartition(GSM8K_MARK)[2]
+    found = next((m for m in _NUMBER.finditer(tail) if any(c.isdigit() for c in m.group())), None)
+    if found is None:
         raise ValueError(f"no number after '{GSM8K_MARK}' in the answer (GSM8K format)")
-    number = re.sub(r"[$, \u2009\u202f]", "", numbers[0]).replace("\u2212", "-")
+    if _GLUED_BEFORE.search(tail[:found.start()]) or _GLUED_AFTER.match(tail, found.end()):
+        raise ValueError(f"the answer after '{GSM8K_MARK}' is not one number (GSM8K format; write it as one: "
+                         f"1000, 2.5, -3/4)")
+    number = re.sub(r"[$, \u00a0\u2009\u202f]", "", found.group()).replace("\u2212", "-")
     return re.sub(r"^(-?)\.", r"\g<1>0.", number)  # .5 -> 0.5
 
 
@@ -159,7 +171,28 @@ def apply_template(prompt: str | list[dict], template: str | None) -> str | list
             *prompt[last + 1:]]
 
 
+def _whole_file_json(path: Path) -> None:
+    """DataError when the file is one JSON value spread over lines (`json.dump(..., indent=2)`): read as
+    JSON lines, its first line `{` was reported as a malformed line cut short."""
+    with path.open("rb") as f:
+        first = f.readline(1 << 16).removeprefix(codecs.BOM_UTF8).strip()
+    if first not in (b"{", b"["):
+        return
+    try:
+        whole = json.loads(path.read_bytes().decode("utf-8-sig"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return  # malformed: its lines say where
+    if isinstance(whole, list):
+        if path.suffix.lower() == ".jsonl":
+            raise DataError(f"{path}: a JSON array, not JSON lines (one record a line): name the file .json")
+        return
+    keys = ", ".join(map(str, list(whole)[:8])) if isinstance(whole, dict) else type(whole).__name__
+    raise DataError(f"{path}: one JSON object over several lines (keys: {keys}), not an array of records or JSON "
+                    f"lines (one record a line)")
+
+
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, object]]:
+    _whole_file_json(path)
     with path.open("rb") as f:  # decoded line by line: one bad line is one bad record
         for lineno, raw in enumerate(f, start=1):
             where = f"{path}:{lineno}"
@@ -337,15 +370,24 @@ def load_records(
                 prompt, answer = _check(where, raw, prompt_key, answer_key, answer_format)
                 prompt = apply_template(prompt, prompt_template)
                 _check_not_templated(where, prompt, template_marks)
-            except DataError:
+            except DataError as e:
                 if on_error == "raise":
                     raise
                 stats.skipped_malformed += 1
+                stats.first_skipped = stats.first_skipped or str(e)
                 continue
             try:  # not a fault of the record, so never skipped: a tokenizer without a chat template
                 prompt_ids = encode_prompt(tokenizer, prompt)
             except DataError as e:
                 raise DataError(f"{where}: {e}") from None
+            if not prompt_ids:  # a tokenizer that drops the characters it lacks: the rollout needs a token
+                error = DataError(f"{where}: the prompt has no token in the model's tokenizer (it drops every "
+                                  f"character of {str(prompt)[:40]!r})")
+                if on_error == "raise":
+                    raise error
+                stats.skipped_malformed += 1
+                stats.first_skipped = stats.first_skipped or str(error)
+                continue
             if max_prompt_tokens is not None and len(prompt_ids) > max_prompt_tokens:
                 stats.dropped_too_long += 1
                 continue
@@ -457,10 +499,12 @@ def _load(cfg, spec: str, tokenizer, prompt_key: str, answer_key: str, answer_fo
     """The records of one --data or --val-data value, with the run's template and this answer format."""
     records, stats = load_records(spec, tokenizer, prompt_key, answer_key, cfg.max_prompt_tokens,
                                   "skip" if cfg.skip_bad_records else "raise", cfg.prompt_template, answer_format)
+    first = f"; the first skipped: {stats.first_skipped}" if stats.first_skipped else ""
     _say(f"data: {stats.loaded} records from {spec} ({stats.skipped_malformed} malformed skipped, "
-          f"{stats.dropped_too_long} over {cfg.max_prompt_tokens} tokens dropped)")
+          f"{stats.dropped_too_long} over {cfg.max_prompt_tokens} tokens dropped{first})")
     if not records:
-        raise DataError(f"{spec}: no usable records")
+        raise DataError(f"{spec}: no usable records ({stats.skipped_malformed} malformed skipped, "
+                        f"{stats.dropped_too_long} over --max-prompt-tokens {cfg.max_prompt_tokens}{first})")
     return records
 
 

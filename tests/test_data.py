@@ -129,6 +129,25 @@ def test_unreadable_parquet_and_empty_splits_are_data_errors(tmp_path):
         prepare_data(cfg, char_tokenizer())  # round(3 * 0.1) = 0 held out
 
 
+def test_records_all_skipped_say_why_the_first_was(tmp_path, capsys):
+    """--skip-bad-records with a wrong --prompt-key skips every line: the run stopped with "no usable
+    records" alone, and never named the missing field."""
+    from types import SimpleNamespace
+
+    from support.data import prepare_data
+
+    rows = [{"question": g["prompt"], "answer": g["answer"]} for g in GOOD]
+    cfg = SimpleNamespace(data=str(write_jsonl(tmp_path / "d.jsonl", rows)), prompt_key="prompt",
+                          answer_key="answer", max_prompt_tokens=64, skip_bad_records=True, eval_fraction=0.5,
+                          val_data=None, prompt_template=None, answer_format=None)
+    with pytest.raises(DataError, match=r"d\.jsonl: no usable records \(3 malformed skipped, 0 over "
+                                        r"--max-prompt-tokens 64; the first skipped: .*d\.jsonl:1: missing field 'prompt'\)"):
+        prepare_data(cfg, char_tokenizer())
+    write_jsonl(tmp_path / "d.jsonl", GOOD + rows[:1])
+    prepare_data(cfg, char_tokenizer())
+    assert "3 records from" in (out := capsys.readouterr().out) and "d.jsonl:4: missing field 'prompt'" in out
+
+
 def test_bad_arguments_give_clear_errors(tmp_path):
     with pytest.raises(DataError, match="no file"):
         load_records(tmp_path / "absent.jsonl", char_tokenizer())
@@ -364,12 +383,24 @@ def test_several_files_a_folder_a_glob_and_json_arrays(tmp_path):
     ("#### 72", "72"), ("#### 1,000", "1000"), ("#### 1 000 000", "1000000"), ("#### 1\u202f000", "1000"),
     ("#### .5", "0.5"), ("#### -.25", "-0.25"), ("#### 3/4", "3/4"), ("#### \u22125", "-5"),
     ("#### $1,200 a month", "1200"), ("#### -$5", "-5"), ("#### $-5", "-5"), ("#### 18 dollars per 2 hours", "18"), ("x\n#### 3\n#### 4", "4"),
+    ("#### 1\u00a0000", "1000"), ("#### 1,00,000", "100000"), ("#### 42.", "42"), ("#### 5 apples and 3 pears", "5"),
 ])
 def test_a_gsm8k_gold_is_the_whole_number_after_the_mark(answer, gold):
     """It took the last run of digits: .5 -> 5, 3/4 -> 4, 1 000 000 -> 000, a Unicode minus dropped."""
     from support.data import gold_answer
 
     assert gold_answer(answer, "gsm8k") == gold
+
+
+@pytest.mark.parametrize("after_mark", ["2,5", "12,34", "1,00", "1e5", "12:30", "3 1/2", "\\frac{1}{2}", "x^2", "5 - 3 = 2"])
+def test_a_gsm8k_answer_that_is_not_one_number_is_a_bad_record_not_its_first_digits(tmp_path, after_mark):
+    """`#### 2,5` gave the gold 25, `#### 1e5` 1, `#### \\frac{1}{2}` 1, `#### 12:30` 12: a wrong gold
+    against which every right response scored -1, in silence."""
+    rows = [{"prompt": "x", "answer": "#### 7"}, {"prompt": "y", "answer": f"Work.\n#### {after_mark}"}]
+    with pytest.raises(DataError, match=r"d\.jsonl:2: the answer after '####' is not one number .*field 'answer'"):
+        load_records(write_jsonl(tmp_path / "d.jsonl", rows), char_tokenizer())
+    records, stats = load_records(tmp_path / "d.jsonl", char_tokenizer(), on_error="skip")
+    assert [r["answer"] for r in records] == ["7"] and stats.skipped_malformed == 1
 
 
 def test_a_markdown_heading_is_no_gsm8k_mark_and_numeric_answers_read_as_written(tmp_path):
@@ -383,6 +414,35 @@ def test_a_markdown_heading_is_no_gsm8k_mark_and_numeric_answers_read_as_written
     (tmp_path / "d.json").write_text('[{"prompt": "x", "answer": NaN}]')
     with pytest.raises(DataError, match=r"d\.json: record 1: the answer in field 'answer' is nan"):
         load_records(tmp_path / "d.json", char_tokenizer())
+
+
+def test_one_json_value_over_several_lines_is_named_not_taken_for_a_line_cut_short(tmp_path):
+    """`json.dump(..., indent=2)` of an object (`{"data": [...]}`) in a .json file, or of an array in a
+    .jsonl file, was refused as "malformed JSON (...: the line ends at column 1, cut short?)"."""
+    (tmp_path / "d.json").write_text(json.dumps({"version": 1, "data": GOOD}, indent=2))
+    with pytest.raises(DataError, match=r"d\.json: one JSON object over several lines \(keys: version, data\), "
+                                        r"not an array of records or JSON lines"):
+        load_records(tmp_path / "d.json", char_tokenizer())
+    (tmp_path / "d.jsonl").write_text(json.dumps(GOOD, indent=2))
+    with pytest.raises(DataError, match=r"d\.jsonl: a JSON array, not JSON lines .*: name the file \.json"):
+        load_records(tmp_path / "d.jsonl", char_tokenizer())
+    (tmp_path / "d.jsonl").rename(tmp_path / "e.json")
+    assert len(load_records(tmp_path / "e.json", char_tokenizer())[0]) == len(GOOD)
+    (tmp_path / "d.jsonl").write_text('{\n"prompt": "x", "answer": \n')  # malformed: still named by its line
+    with pytest.raises(DataError, match=r"d\.jsonl:1: malformed JSON"):
+        load_records(tmp_path / "d.jsonl", char_tokenizer())
+
+
+def test_a_prompt_of_no_tokens_is_a_bad_record_not_a_failed_rollout(tmp_path):
+    """The built-in character tokenizer drops what it lacks: a prompt of other characters had no
+    token, and the run stopped at its first rollout in a ValueError of rollout.left_pad."""
+    from support.task import build_tokenizer
+
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "12*2^a=\n", "answer": "24"}, {"prompt": "日本語", "answer": "2"}])
+    with pytest.raises(DataError, match=r"d\.jsonl:2: the prompt has no token in the model's tokenizer"):
+        load_records(path, build_tokenizer())
+    records, stats = load_records(path, build_tokenizer(), on_error="skip")
+    assert len(records) == 1 and stats.skipped_malformed == 1 and "d.jsonl:2" in stats.first_skipped
 
 
 def test_a_byte_order_mark_a_home_folder_and_a_whole_conversation(tmp_path, monkeypatch):

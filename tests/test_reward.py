@@ -37,6 +37,8 @@ def test_rule_reward_agrees_with_math_verify_suite(case):
     ("\\boxed{1\\,000}", "1000"),  # thin spaces between digit groups
     ("\\boxed{1\\;000\\;000}", "1,000,000"),
     ("\\boxed{2500}", "2\\,500"),
+    ("\\boxed{1 000}", "1000"), ("\\boxed{12 345 678}", "12345678"),  # TeX sets `1 000` as 1000
+    ("\\boxed{1000}", "1\u00a0000"), ("\\boxed{1\u2009000}", "1000"), ("\\boxed{1\u202f000.5}", "1000.5"),
 ])
 def test_equivalent_forms_score_plus_one(response, gold):
     assert rule_reward(response, gold) == 1.0
