@@ -248,6 +248,7 @@ def test_a_process_on_a_gpu_keeps_cudnn_out_of_attention(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
     monkeypatch.setattr(fsdp_utils, "_gloo_threads", False)
+    monkeypatch.setattr(fsdp_utils, "_patient_group", object())  # made already: no group to fake for it
     for name, fake in (("is_initialized", lambda: True), ("get_backend", lambda: "nccl"),
                        ("get_rank", lambda: 0), ("get_world_size", lambda: 1)):
         monkeypatch.setattr(dist, name, fake)
