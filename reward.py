@@ -42,6 +42,9 @@ logging.getLogger("math_verify").setLevel(logging.ERROR)
 # (preemption.py), so its grader workers ignore them and grade that step to the end. They stop when
 # the trainer closes their pipe, or kills them.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
+# A grader worker's start (an interpreter, then math-verify and sympy imported and warmed up): 1-3 s
+# on a busy CPU; far more is an import hung on a shared filesystem, which grading would wait on for good.
+STARTUP_TIMEOUT_S = 120.0
 
 # A box opens its group (`\\boxed{42}`, `\\boxed {42}`) or, without braces, boxes what follows a space
 # (`\\boxed 42`: the whole number, which is what a model writing it means, not TeX's single token).
@@ -200,7 +203,7 @@ class _Worker:
         self.conn = parent_end
         self.ready = False
         self.pending: deque = deque()  # items sent and not yet answered, in order
-        self.deadline = math.inf
+        self.deadline = time.monotonic() + STARTUP_TIMEOUT_S  # to say "ready", then to answer an item
 
     def kill(self) -> None:
         self.proc.kill()
@@ -283,7 +286,7 @@ class Grader:
                         continue
                     w.pending.extend(items)
                     w.deadline = time.monotonic() + self.timeout_s
-            busy = [w.deadline for w in self.workers if w.pending]
+            busy = [w.deadline for w in self.workers if w.pending or not w.ready]
             wait_s = max(0.0, min(busy) - time.monotonic()) if busy else None
             for conn in wait([w.conn for w in self.workers], timeout=wait_s):
                 w = next(w for w in self.workers if w.conn is conn)
@@ -293,7 +296,7 @@ class Grader:
                     timeouts += self._replace(w, todo, outcomes)
                     continue
                 if msg == "ready":
-                    w.ready = True
+                    w.ready, w.deadline = True, math.inf
                 else:
                     idx, equal = msg
                     outcomes[idx] = 1.0 if equal else -1.0
@@ -301,6 +304,10 @@ class Grader:
                     w.deadline = time.monotonic() + self.timeout_s
             now = time.monotonic()
             for w in list(self.workers):
+                if not w.ready and now > w.deadline:
+                    w.kill()
+                    raise RuntimeError(f"Grader: a worker did not start within {STARTUP_TIMEOUT_S:.0f} s "
+                                       f"(importing math-verify: a slow or hung filesystem?)")
                 if w.pending and now > w.deadline:
                     timeouts += self._replace(w, todo, outcomes)
         return GradeResult(outcomes=outcomes, num_timeouts=timeouts, num_missing_box=missing)

@@ -288,3 +288,18 @@ def test_terminal_rewards_put_each_outcome_on_its_last_token_and_nothing_on_padd
     assert rewards.tolist() == [[0.0, 0.0, 1.0], [-1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
     with pytest.raises(ValueError, match="one value per response"):
         terminal_rewards(torch.tensor([1.0, -1.0]), mask)
+
+
+def test_a_worker_that_never_starts_stops_grading_with_an_error_instead_of_a_hang(monkeypatch):
+    """Grading waited without a time limit for a worker to say "ready": an import hung on a shared
+    filesystem would have stalled the run (and, under torchrun, every other rank in its next collective)."""
+    real_popen = subprocess.Popen
+    monkeypatch.setattr(reward, "STARTUP_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(reward.subprocess, "Popen", lambda args, **kwargs: real_popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"], **kwargs))
+    with Grader(num_workers=1) as grader:
+        assert grader.grade(["\\boxed{3}"], ["3"]).outcomes == [1.0]  # the fast path needs no worker
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="did not start within 1 s"):
+            grader.grade(["\\boxed{\\frac{1}{2}}"], ["0.5"])
+        assert time.monotonic() - start < 10
