@@ -44,7 +44,7 @@ from rollout import HFRollout
 from sampling import Sampler, ScoredBatch
 from support.sft import ModelError, check_model, prepare_sft
 from support.vllm_rollout import VLLMRollout
-from value_pretrain import prepare_value_critic
+from value_pretrain import check_rerun, prepare_value_critic
 from reward import Grader
 
 POSITION_BINS = 4  # advantage mean per quarter of each response, early to late (paper Fig. 2)
@@ -365,6 +365,7 @@ def run(cfg: Config, dist_info) -> dict:
     # Every input is checked (run directory, caches, model, data) before the run directory is
     # written: a refused command leaves it as it was, and its corrected rerun is not blocked.
     rundir.check(cfg)
+    check_rerun(cfg)  # value pretraining's checkpoint, as rundir.check does PPO's
     for note in cfg.unused_flags() if fsdp_utils.is_main() else ():
         print(f"note: {note}")
     if cfg.estimator == "gae" and cfg.critic_init == "rm":

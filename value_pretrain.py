@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import glob
 import json
 import math
 import os
@@ -28,13 +29,14 @@ from support import preemption
 from support.config import ConfigError, one_key_as_text
 from critic import critic_loss, response_values, shift_values
 from support.data import sample_prompts, stream_seed
-from fsdp_utils import all_reduce, is_main, reduce_metrics, world_size
-from support.checkpoints import export_hf_checkpoint, remove_checkpoint, restore_latest, save_checkpoint
+from fsdp_utils import all_reduce, any_rank, is_main, reduce_metrics, world_size
+from support.checkpoints import (export_hf_checkpoint, remove_checkpoint, restore_latest, save_checkpoint,
+                                 saved_checkpoints)
 from gae import compute_gae
 from support.masked import check_masked_inputs
 from ppo import explained_variance
 from ppo_update import assert_finite, micro_batched_forward, update_model
-from support.rundir import MAY_CHANGE, build_shared, input_files, json_safe
+from support.rundir import MAY_CHANGE, build_shared, input_files, json_safe, shared_path
 from sampling import Sampler
 
 # Settings that act only after value pretraining (PPO's own, and the run's name).
@@ -133,6 +135,23 @@ def pretrain_value(cfg, critic, critic_optimizer, sampler: Sampler, records: lis
             f.writelines(json.dumps(json_safe(r), allow_nan=False) + "\n" for r in history)  # NaN -> null
     remove_checkpoint(ckpt)  # the exported critic supersedes it
     return history
+
+
+def check_rerun(cfg) -> None:
+    """Stop a rerun without --resume or --overwrite of a run stopped in value pretraining, as
+    rundir.check stops one stopped in PPO: it would pretrain again from step 0, and its saves would
+    replace the checkpoint (hours of pretraining at 32B). Checked before the run directory is written."""
+    if cfg.resume or cfg.overwrite or cfg.estimator != "gae" or not cfg.value_pretrain_steps:
+        return
+    leftovers = os.path.join(glob.escape(cfg.out_dir), "_shared", "value_pretrain",
+                             f"*.partial-{glob.escape(cfg.run_name)}")
+    if not any_rank(bool(glob.glob(leftovers))):  # the usual case, told without reading --model and --data
+        return
+    shared = shared_path(cfg, "value_pretrain", pretrain_settings(cfg))
+    found = saved_checkpoints(os.path.join(f"{shared}.partial-{cfg.run_name}", "checkpoint"))
+    if found and not os.path.exists(shared):  # else the stage is built: its leftovers go unused
+        raise ConfigError(f"{found[0]} holds this run's value pretraining: --resume to continue from it, "
+                          f"--overwrite to pretrain the critic over, or another --run-name")
 
 
 def prepare_value_critic(cfg, run_dir: str, init_path: str, sampler: Sampler, records: list[dict], load):

@@ -7,6 +7,7 @@ import errno
 import io
 import json
 import os
+import pathlib
 import shutil
 import signal
 import subprocess
@@ -353,6 +354,25 @@ def test_other_signals_stop_value_pretraining_with_a_checkpoint_and_other_stages
     assert stopped.value.exit_code == 128 + signal.SIGHUP
     assert (f"SIGHUP: stopped. Last checkpoint: {base}/checkpoint. Finished stages are kept; resume with the same "
             f"command and --resume") in capsys.readouterr().out
+
+
+def test_a_rerun_without_resume_of_a_run_stopped_in_value_pretraining_is_refused(out_dir, monkeypatch, capsys):
+    """Stopped in value pretraining, the same command resubmitted without --resume pretrained from
+    step 0 again, and its saves replaced the checkpoint the stop had left."""
+    flags = ["--run-name", "vp-rerun", "--value-pretrain-steps", "2", "--steps", "0", "--seed", "3"]
+    signal_in_pretraining_step(0, monkeypatch)
+    with pytest.raises(preemption.Preempted):
+        train.main(micro_config(out_dir, *flags))
+    monkeypatch.undo()
+    staging = rundir.shared_path(micro_config(out_dir, *flags), "value_pretrain",
+                                 value_pretrain.pretrain_settings(micro_config(out_dir, *flags))) + ".partial-vp-rerun"
+    saved = (pathlib.Path(staging) / "checkpoint" / "extra.pt").read_bytes()
+    with pytest.raises(ConfigError, match=rf"{staging}/checkpoint holds this run's value pretraining: --resume to "
+                                          rf"continue from it, --overwrite to pretrain the critic over"):
+        train.main(micro_config(out_dir, *flags))
+    assert (pathlib.Path(staging) / "checkpoint" / "extra.pt").read_bytes() == saved
+    train.main(micro_config(out_dir, *flags, "--resume"))
+    assert f"value pretraining: resumed from {staging}/checkpoint at step 1" in capsys.readouterr().out
 
 
 def test_a_signal_in_the_step_value_pretraining_converges_at_stops_before_ppo(out_dir, base, monkeypatch, capsys):
