@@ -149,9 +149,10 @@ def check_rerun(cfg) -> None:
         return
     shared = shared_path(cfg, "value_pretrain", pretrain_settings(cfg))
     found = saved_checkpoints(os.path.join(f"{shared}.partial-{cfg.run_name}", "checkpoint"))
-    if found and not os.path.exists(shared):  # else the stage is built: its leftovers go unused
-        raise ConfigError(f"{found[0]} holds this run's value pretraining: --resume to continue from it, "
-                          f"--overwrite to pretrain the critic over, or another --run-name")
+    stopped_in = found[0] if found and not os.path.exists(shared) else ""  # a built stage's leftovers go unused
+    if any_rank(bool(stopped_in)):  # every rank stops, even where another filesystem view differs
+        raise ConfigError(f"{stopped_in or 'a checkpoint another rank sees'} holds this run's value pretraining: "
+                          f"--resume to continue from it, --overwrite to pretrain the critic over, or another --run-name")
 
 
 def prepare_value_critic(cfg, run_dir: str, init_path: str, sampler: Sampler, records: list[dict], load):

@@ -381,13 +381,19 @@ class MetricsLog:
                                     dir=run_dir, config=config)
         from torch.utils.tensorboard import SummaryWriter
 
-        kept = []
+        rows = []
         if keep_up_to_step >= 0 and os.path.exists(self.path):
             rows, torn = logged_rows(self.path)
             if torn is not None:
                 tqdm.write(f"{self.path}: dropped its last line, cut short when the run stopped ({torn[:60]!r})")
-            kept = [line for step, line in rows if step <= keep_up_to_step]
-        write_whole(self.path, "".join(kept))  # a kill mid-write keeps the old log
+            rows = [(step, line) for step, line in rows if step <= keep_up_to_step]
+        # A kill cuts only rows after the checkpoint: rows missing before it (a log cut short by hand or
+        # by a full disk, or deleted) cannot be written again, and the run goes on without them, said.
+        missing = sorted(set(range(keep_up_to_step + 1)) - {step for step, _ in rows})
+        if missing:
+            tqdm.write(f"{self.path}: no rows for {len(missing)} of the steps the checkpoint covers (steps "
+                       f"{missing[0]} to {missing[-1]}): the log goes on from step {keep_up_to_step + 1} without them")
+        write_whole(self.path, "".join(line for _, line in rows))  # a kill mid-write keeps the old log
         self.tb = SummaryWriter(run_dir, purge_step=keep_up_to_step + 1)  # drop the replayed steps
 
     def write(self, step: int, metrics: dict) -> None:

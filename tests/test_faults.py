@@ -119,6 +119,19 @@ def test_damaged_metrics_are_refused_by_line_and_only_a_torn_last_line_is_droppe
     assert [r["step"] for r in read_metrics(moved / "base")] == [0, 1, 2, 3, 4]
 
 
+def test_rows_missing_before_the_checkpoint_are_named_on_resume_not_dropped_in_silence(base, tmp_path, capsys):
+    """A log cut short before the checkpoint's step was taken for a kill's torn last line: the rows
+    after the cut were lost without a word."""
+    moved = moved_copy(base, tmp_path)
+    metrics = moved / "base" / "metrics.jsonl"
+    rows = metrics.read_bytes().splitlines(keepends=True)
+    metrics.write_bytes(b"".join(rows[:2]) + rows[2][:20])  # cut in step 2's row; the checkpoint is at step 3
+    resume(moved, "--steps", "5")
+    assert "metrics.jsonl: no rows for 2 of the steps the checkpoint covers (steps 2 to 3): the log goes on " \
+           "from step 4 without them" in capsys.readouterr().out
+    assert [r["step"] for r in read_metrics(moved / "base")] == [0, 1, 4]
+
+
 def test_damaged_files_the_run_reads_back_are_named_in_one_line(base, tmp_path):
     """Item 6: a garbage config.json gave a traceback; so did a stage's settings.json and eval_sft.json."""
     moved = moved_copy(base, tmp_path)
