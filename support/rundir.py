@@ -139,7 +139,8 @@ def check_settings_of(cfg: Config) -> str:
 def check(cfg: Config) -> str:
     """The run's directory, read and not written: stops if its config.json holds other settings
     (see MAY_CHANGE), if it holds outputs but no config.json to check them against, if it holds
-    checkpoints and neither --resume nor --overwrite says what to do with them, or, with
+    checkpoints and neither --resume nor --overwrite says what to do with them, if it is finished but
+    its checkpoints are gone and --overwrite does not say to train it again, or, with
     --resume, if its checkpoints are all damaged, if its metrics.jsonl is damaged, or if it would
     start past --steps. A refused command leaves the directory as it was."""
     run_dir = check_settings_of(cfg)
@@ -147,6 +148,10 @@ def check(cfg: Config) -> str:
     if saved_before and not (cfg.resume or cfg.overwrite):
         raise ConfigError(f"{run_dir} holds {saved_before[0]}: --resume to continue from it, --overwrite to start "
                           f"PPO over (replacing it and metrics.jsonl), or another --run-name")
+    if finished(run_dir) and not saved_before and not cfg.overwrite:  # checkpoints deleted to free the disk
+        raise ConfigError(f"{run_dir} holds a finished run (summary.json) and no checkpoint to go on from: PPO "
+                          f"would start over and replace its metrics.jsonl and actor_hf; --overwrite to train it "
+                          f"again, or another --run-name")
     if cfg.resume and (found := checkpoints.latest_checkpoint(os.path.join(run_dir, "checkpoint"))):
         step = checkpoints.checkpoint_extra(found)["step"]
         if step + 1 > cfg.steps:

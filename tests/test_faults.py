@@ -238,6 +238,20 @@ def test_a_rerun_without_resume_is_refused_rather_than_started_over_and_overwrit
     assert checkpoints.checkpoint_extra(str(run_dir / "checkpoint"))["step"] == 0
 
 
+def test_a_finished_run_whose_checkpoints_were_deleted_is_not_trained_over_without_overwrite(base, tmp_path):
+    """Checkpoints deleted to free the disk: a rerun, with or without --resume, started PPO over and
+    replaced the finished run's metrics.jsonl and actor_hf (killed midway, summary.json still said finished)."""
+    moved = moved_copy(base, tmp_path)
+    for checkpoint in (moved / "base").glob("checkpoint*"):
+        shutil.rmtree(checkpoint)
+    metrics = (moved / "base" / "metrics.jsonl").read_bytes()
+    for extra in ([], ["--resume"]):
+        with pytest.raises(ConfigError, match=r"holds a finished run \(summary.json\) and no checkpoint to go on "
+                                              r"from: .*--overwrite to train it again"):
+            train.main(micro_config(moved, "--run-name", "base", "--steps", "4", *FLAGS, *extra))
+    assert (moved / "base" / "metrics.jsonl").read_bytes() == metrics
+
+
 def test_an_overwrite_stopped_before_its_first_save_leaves_nothing_of_the_old_run_to_resume(base, tmp_path,
                                                                                             monkeypatch):
     """--overwrite kept the old run's checkpoints, summary.json and actor_hf until its first save: killed
