@@ -148,7 +148,9 @@ def check(cfg: Config) -> str:
     if saved_before and not (cfg.resume or cfg.overwrite):
         raise ConfigError(f"{run_dir} holds {saved_before[0]}: --resume to continue from it, --overwrite to start "
                           f"PPO over (replacing it and metrics.jsonl), or another --run-name")
-    if finished(run_dir) and not saved_before and not cfg.overwrite:  # checkpoints deleted to free the disk
+    logged = os.path.join(run_dir, "metrics.jsonl")
+    trained = os.path.exists(logged) and os.path.getsize(logged) > 0  # (--steps 0 finishes with no checkpoint)
+    if finished(run_dir) and trained and not saved_before and not cfg.overwrite:  # checkpoints deleted to free the disk
         raise ConfigError(f"{run_dir} holds a finished run (summary.json) and no checkpoint to go on from: PPO "
                           f"would start over and replace its metrics.jsonl and actor_hf; --overwrite to train it "
                           f"again, or another --run-name")
@@ -156,8 +158,8 @@ def check(cfg: Config) -> str:
         step = checkpoints.checkpoint_extra(found)["step"]
         if step + 1 > cfg.steps:
             raise ConfigError(f"{found} is at step {step}, past --steps {cfg.steps}")
-        if os.path.exists(metrics := os.path.join(run_dir, "metrics.jsonl")):
-            logged_rows(metrics)
+        if os.path.exists(logged):
+            logged_rows(logged)
     return run_dir
 
 
