@@ -176,6 +176,7 @@ part3() {
 }
 
 part4() {
+  if [ "$DRY" = 1 ]; then echo "== part 4 skipped: the dry run leaves vLLM out (its CPU build is tested by tests/test_vllm.py)"; return; fi
   if [ "$HAVE_VLLM" != 1 ]; then echo "== part 4 skipped: vLLM does not import here"; return; fi
   write_smoke_py
   echo "== part 4: vLLM on one GPU, single process"
