@@ -108,6 +108,7 @@ class Run:
 
 def plan_runs(args: Args, train_flags: list[str]) -> list[Run]:
     """One Run per (variant, seed); a finished run whose config differs from the requested one is an error."""
+    check_nonempty(variants=args.variants, seeds=args.seeds)
     unknown = [v for v in args.variants if v not in VARIANTS]
     if unknown:
         raise ValueError(f"unknown variant(s) {unknown}; choose from {list(VARIANTS)}")
@@ -120,6 +121,13 @@ def plan_runs(args: Args, train_flags: list[str]) -> list[Run]:
                      *VARIANTS[variant][0]]
             runs.append(planned_run(variant, seed, flags))
     return runs
+
+
+def check_nonempty(**choices) -> None:
+    """A flag given with no value (`--seeds` alone) plans no run: say so, rather than report on nothing."""
+    empty = [name for name, chosen in choices.items() if not chosen]
+    if empty:
+        raise ValueError(f"--{empty[0]} is empty: give at least one")
 
 
 def planned_run(variant: str, seed: int, flags: list[str]) -> Run:

@@ -106,6 +106,7 @@ def arm_flags(offset: float) -> dict[str, tuple[list[str], float | None]]:
 
 
 def chosen_arms(args: Args) -> list[str]:
+    ablation.check_nonempty(arms=args.arms, seeds=args.seeds)
     unknown = [a for a in args.arms if a not in ARMS]
     if unknown:
         raise ValueError(f"unknown arm(s) {unknown}; choose from {list(ARMS)}")

@@ -95,6 +95,13 @@ def test_unknown_variant_and_nothing_to_read_are_clear_errors(tmp_path):
     assert not (tmp_path / "_shared").exists()
 
 
+def test_no_seed_or_no_variant_says_so(tmp_path):
+    """`--seeds` alone was reported as 'no finished run to read', as if runs had failed."""
+    for empty in ({"seeds": ()}, {"variants": ()}):
+        with pytest.raises(ValueError, match=f"--{next(iter(empty))} is empty: give at least one"):
+            ablation.main(ablation.Args(out_dir=str(tmp_path), out=tmp_path / "out", **empty), [])
+
+
 @pytest.mark.slow
 def test_micro_grid_runs_train_py_and_reuses_finished_runs(tmp_path):
     args = ablation.Args(out=tmp_path / "out", out_dir=str(tmp_path), variants=("ppo", "grpo"), seeds=(0,))

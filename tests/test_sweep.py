@@ -3,6 +3,8 @@ import dataclasses
 import json
 from pathlib import Path
 
+import pytest
+
 from support import config
 from analysis import ablation, sweep
 
@@ -92,3 +94,13 @@ def test_reads_finished_cells_and_lists_the_others(tmp_path):
     assert all("not started" in r for r in rows[7:]) and len(rows) == 10
     assert json.loads((tmp_path / "out" / "sweep.json").read_text())["default"]["seeds"]["0"]["sft_acc"] == 0.25
     assert (tmp_path / "out" / "sweep.png").stat().st_size > 0
+
+
+def test_no_seed_or_no_cell_is_an_error_before_anything_trains(tmp_path, monkeypatch):
+    """`--seeds` alone wrote an empty table (and, without --read-only, trained the base pi_SFT first)."""
+    monkeypatch.setattr(ablation, "build_missing_sft", lambda configs: pytest.fail("trained pi_SFT"))
+    for empty in ({"seeds": ()}, {"cells": ()}):
+        args = sweep.Args(out_dir=str(tmp_path / "base"), root=str(tmp_path / "sweep"), out=tmp_path / "out", **empty)
+        with pytest.raises(ValueError, match=f"--{next(iter(empty))} is empty"):
+            sweep.main(args, [])
+    assert not (tmp_path / "out").exists()
