@@ -232,10 +232,13 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(results: dict, path: Path) -> None:
+def plot(results: dict, path: Path) -> bool:
+    """The curves of every finished cell-seed; False, and no figure (an earlier one removed: it would
+    show runs the table no longer does), when none has finished."""
     done = [(cell, seed, m) for cell, r in results.items() for seed, m in finished(r["seeds"]).items()]
     if not done:
-        return
+        path.unlink(missing_ok=True)
+        return False
     keys = (("response_length/mean", "batch mean length"), ("reward/accuracy", "training accuracy"))
     fig, axes = plt.subplots(len(done), 2, figsize=(11, 3 * len(done)), squeeze=False)
     for row, (cell, seed, m) in zip(axes, done):
@@ -248,6 +251,7 @@ def plot(results: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True
 
 
 def main(args: Args, train_flags: list[str]) -> dict:
@@ -258,11 +262,11 @@ def main(args: Args, train_flags: list[str]) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "sweep.md").write_text(markdown(results))
     (args.out / "sweep.json").write_text(json.dumps(results, indent=1))
-    plot(results, args.out / "sweep.png")
+    drawn = plot(results, args.out / "sweep.png")
     print((args.out / "sweep.md").read_text())
     count = sum(len(finished(r["seeds"])) for r in results.values())
     print(f"{count} of {sum(len(r['seeds']) for r in results.values())} cell-seeds finished; "
-          f"wrote {args.out}/sweep.md, .json and .png")
+          f"wrote {args.out}/sweep.md, .json{' and .png' if drawn else ' (no .png: nothing to draw)'}")
     return results
 
 

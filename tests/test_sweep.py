@@ -96,6 +96,18 @@ def test_reads_finished_cells_and_lists_the_others(tmp_path):
     assert (tmp_path / "out" / "sweep.png").stat().st_size > 0
 
 
+def test_with_nothing_finished_it_leaves_no_figure_and_does_not_say_it_wrote_one(tmp_path, capsys):
+    """It printed 'wrote ... .png' and left no figure, or an earlier one of other runs."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "sweep.png").write_bytes(b"an earlier figure")
+    args = sweep.Args(cells=("default",), out_dir=str(tmp_path / "base"), root=str(tmp_path / "sweep"), out=out,
+                      read_only=True)
+    sweep.main(args, [])
+    assert not (out / "sweep.png").exists()
+    assert capsys.readouterr().out.strip().endswith("sweep.md, .json (no .png: nothing to draw)")
+
+
 def test_no_seed_or_no_cell_is_an_error_before_anything_trains(tmp_path, monkeypatch):
     """`--seeds` alone wrote an empty table (and, without --read-only, trained the base pi_SFT first)."""
     monkeypatch.setattr(ablation, "build_missing_sft", lambda configs: pytest.fail("trained pi_SFT"))
