@@ -108,6 +108,8 @@ def link_caches(cell_out_dir: str, base_flags: list[str], cell_flags: list[str])
 
 def plan(args: Args, train_flags: list[str]) -> dict[str, list[ablation.Run]]:
     ablation.check_nonempty(cells=args.cells, seeds=args.seeds)  # before the base pi_SFT trains
+    if not args.read_only and args.jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
     unknown = [c for c in args.cells if c not in CELLS]
     if unknown:
         raise ValueError(f"unknown cell(s) {unknown}; choose from {list(CELLS)}")

@@ -116,3 +116,11 @@ def test_no_seed_or_no_cell_is_an_error_before_anything_trains(tmp_path, monkeyp
         with pytest.raises(ValueError, match=f"--{next(iter(empty))} is empty"):
             sweep.main(args, [])
     assert not (tmp_path / "out").exists()
+
+
+def test_a_bad_jobs_is_an_error_before_the_base_pi_sft_trains(tmp_path, monkeypatch):
+    """--jobs 0 stopped in run_grid, after the long task's pi_SFT (about 30 minutes of a core) had trained."""
+    monkeypatch.setattr(ablation, "build_missing_sft", lambda configs: pytest.fail("trained pi_SFT"))
+    args = sweep.Args(out_dir=str(tmp_path / "base"), root=str(tmp_path / "sweep"), out=tmp_path / "out", jobs=0)
+    with pytest.raises(ValueError, match="--jobs must be >= 1, got 0"):
+        sweep.main(args, [])
