@@ -43,7 +43,7 @@ import torch
 from tqdm import tqdm
 
 from support import rundir
-from analysis import run_cli
+from analysis import json_text, run_cli
 from support.config import Config, check_settings, core_share, parse_config
 from critic import orm_path
 from support.sft import prepare_sft, sft_cache_path
@@ -347,8 +347,8 @@ def main(args: Args, train_flags: list[str]) -> dict:
     task = task_name(runs[0].config)  # plan_runs gives every run the same settings but the variant's
     plot(agg["curves"], png, task)
     md.write_text(markdown(agg, wall, ran, runs, loaded, task))
-    js.write_text(json.dumps({"table": agg["table"], "curves": {v: {k: c.tolist() for k, c in cs.items()}
-                                                                for v, cs in agg["curves"].items()}}, indent=1))
+    js.write_text(json_text({"table": agg["table"], "curves": {v: {k: c.tolist() for k, c in cs.items()}
+                                                               for v, cs in agg["curves"].items()}}))
     print(md.read_text())
     for r in missing:
         print(f"missing: {r.dir} ({'failed, see ' + str(r.dir / 'train.log') if r in failed else 'not run'})")

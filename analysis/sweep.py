@@ -40,7 +40,6 @@ started, are listed as such. Flags after `--` go to every run.
     python analysis/sweep.py --cells actor-lr-2e-4 actor-lr-1e-4     # runs what is missing, then the table
     python analysis/sweep.py --read-only --out results/sweep         # the table of what has finished
 """
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,7 +50,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 
-from analysis import ablation
+from analysis import ablation, json_text
 from analysis.collapse import WINDOW, length_ratio
 from support.config import parse_config
 from critic import orm_path, orm_settings
@@ -263,7 +262,7 @@ def main(args: Args, train_flags: list[str]) -> dict:
     results = measure(runs)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "sweep.md").write_text(markdown(results))
-    (args.out / "sweep.json").write_text(json.dumps(results, indent=1))
+    (args.out / "sweep.json").write_text(json_text(results))
     drawn = plot(results, args.out / "sweep.png")
     print((args.out / "sweep.md").read_text())
     count = sum(len(finished(r["seeds"])) for r in results.values())

@@ -54,6 +54,16 @@ def test_reads_a_grid_and_reports_mean_and_sample_std(tmp_path):
     assert json.loads((tmp_path / "out" / "ablation.json").read_text())["table"]["ppo"]["seeds"] == 2
 
 
+def test_the_json_is_strict_an_undefined_number_written_as_null(tmp_path):
+    """ablation.json held a bare NaN (pi_SFT's row always does), which jq and JSON.parse reject."""
+    fake_run(tmp_path, "ppo", 0, 0.2, [100, 50, 60])
+    ablation.main(ablation.Args(out=tmp_path / "out", out_dir=str(tmp_path), variants=("ppo",), seeds=(0,),
+                                read_only=True), [])
+    saved = json.loads((tmp_path / "out" / "ablation.json").read_text(), parse_constant=pytest.fail)
+    assert saved["table"]["pi_SFT"]["min_train_length"] == [None, None]
+    assert saved["table"]["ppo"]["pass@1"] == [0.2, None]  # one seed: no std
+
+
 def test_runs_evaluated_with_one_sample_report_no_pass_at_k_instead_of_crashing():
     """`--eval-samples 1` writes no pass@k: the table stopped with a bare StopIteration."""
     row = ablation.evaluation_row([{"pass@1": 0.25, "mean_length": 80.0}, {"pass@1": 0.75, "mean_length": 90.0}], None)
