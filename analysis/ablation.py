@@ -85,7 +85,8 @@ class Args:
     jobs: int = 2
     """train.py processes at once (each gets an equal share of the cores unless --threads is given)"""
     quick: bool = False
-    """a <= 10 minute version: ppo and vc-ppo x 2 seeds, 10 PPO steps, a smaller ORM, in runs/ablation-quick"""
+    """a <= 10 minute version: ppo and vc-ppo x 2 seeds, 10 PPO steps, a smaller ORM, in runs/ablation-quick
+    (--variants, --seeds and --out-dir given beside it are kept)"""
     read_only: bool = False
     """only read finished runs; never start train.py"""
 
@@ -326,8 +327,10 @@ def markdown(agg: dict, wall: float, ran: int, runs: list[Run], loaded: dict, ta
 
 
 def main(args: Args, train_flags: list[str]) -> dict:
-    if args.quick:
-        args = dataclasses.replace(args, variants=QUICK["variants"], seeds=QUICK["seeds"], out_dir=QUICK["out_dir"])
+    if args.quick:  # its settings replace the defaults only: a flag given beside --quick is kept
+        default = Args()
+        args = dataclasses.replace(args, **{k: QUICK[k] for k in ("variants", "seeds", "out_dir")
+                                            if getattr(args, k) == getattr(default, k)})
         train_flags = [*QUICK["train_flags"], *train_flags]
     runs = plan_runs(args, train_flags)
     ran, wall, failed = 0, 0.0, []

@@ -64,6 +64,17 @@ def test_the_json_is_strict_an_undefined_number_written_as_null(tmp_path):
     assert saved["table"]["ppo"]["pass@1"] == [0.2, None]  # one seed: no std
 
 
+def test_quick_keeps_the_variants_seeds_and_out_dir_given_beside_it(tmp_path, monkeypatch):
+    """--quick replaced them in silence: `--quick --out-dir X` trained in runs/ablation-quick."""
+    planned = []
+    monkeypatch.setattr(ablation, "plan_runs", lambda args, flags: planned.append((args, flags)) or [])
+    with pytest.raises(ValueError):  # nothing planned, nothing to read
+        ablation.main(ablation.Args(quick=True, out_dir=str(tmp_path), seeds=(5,), read_only=True), ["--steps", "3"])
+    args, flags = planned[0]
+    assert (args.out_dir, args.seeds, args.variants) == (str(tmp_path), (5,), ("ppo", "vc-ppo"))
+    assert flags[:2] == ["--steps", "10"] and flags[-2:] == ["--steps", "3"]
+
+
 def test_runs_evaluated_with_one_sample_report_no_pass_at_k_instead_of_crashing():
     """`--eval-samples 1` writes no pass@k: the table stopped with a bare StopIteration."""
     row = ablation.evaluation_row([{"pass@1": 0.25, "mean_length": 80.0}, {"pass@1": 0.75, "mean_length": 90.0}], None)
