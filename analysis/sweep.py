@@ -208,8 +208,12 @@ def over_seeds(cell: str, flags: str, ms: list[dict]) -> str:
             f"{cols[0]} | {cols[1]} | {sum(map(collapsed, ms))} of {len(ms)} | {sum(map(held, ms))} of {len(ms)} |")
 
 
-def markdown(results: dict) -> str:
+def markdown(results: dict, train_flags: list[str]) -> str:
+    """The table; `train_flags` (after `--`) follow each cell's own flags, so they are said: one of them
+    can override what the flags column shows."""
+    flags = " ".join(train_flags) or "none"
     lines = ["# Where does plain PPO collapse? The sweep on the long built-in task", "",
+             f"Every run: `--preset tiny-long`, the cell's flags, then the flags after `--`: {flags}.", "",
              f"Length ratio: lowest {WINDOW}-step moving average of the batch-mean response length over the first "
              f"step's. pass@1: held-out, after PPO. Training accuracy: mean over the first and last {WINDOW} steps. "
              "Collapses: plain PPO's ratio <= 0.7 and its pass@1 below pi_SFT's. Holds: VC-PPO's ratio >= 0.9 and its "
@@ -261,7 +265,7 @@ def main(args: Args, train_flags: list[str]) -> dict:
         run_missing(runs, args.jobs)
     results = measure(runs)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "sweep.md").write_text(markdown(results))
+    (args.out / "sweep.md").write_text(markdown(results, train_flags))
     (args.out / "sweep.json").write_text(json_text(results))
     drawn = plot(results, args.out / "sweep.png")
     print((args.out / "sweep.md").read_text())

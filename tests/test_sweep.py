@@ -96,6 +96,18 @@ def test_reads_finished_cells_and_lists_the_others(tmp_path):
     assert (tmp_path / "out" / "sweep.png").stat().st_size > 0
 
 
+def test_the_table_says_the_flags_after_the_dashes_that_may_override_a_cells(tmp_path):
+    """`-- --steps 2` ran every cell 2 steps while the flags column still read `--steps 50`, and the
+    report said nothing of it."""
+    fake_run(tmp_path / "base", "ppo", 2, [600, 500], 0.1)
+    fake_run(tmp_path / "base", "vc-ppo", 2, [600, 620], 0.4)
+    args = sweep.Args(cells=("default",), out_dir=str(tmp_path / "base"), root=str(tmp_path / "sweep"),
+                      out=tmp_path / "out", read_only=True)
+    sweep.main(args, ["--steps", "2"])
+    md = (tmp_path / "out" / "sweep.md").read_text()
+    assert "then the flags after `--`: --steps 2." in md and "| default | `--steps 50` | 0 | 2 |" in md
+
+
 def test_with_nothing_finished_it_leaves_no_figure_and_does_not_say_it_wrote_one(tmp_path, capsys):
     """It printed 'wrote ... .png' and left no figure, or an earlier one of other runs."""
     out = tmp_path / "out"
