@@ -133,8 +133,11 @@ def check_nonempty(**choices) -> None:
 
 def planned_run(variant: str, seed: int, flags: list[str]) -> Run:
     """The Run of train.py's `flags`; a run directory already there must hold a run of those
-    settings: reused as finished, its length must match too (the rest of how it ran need not)."""
+    settings: reused as finished, its length must match too (the rest of how it ran need not). Every
+    report reads the PPO steps, so a run of none (train.py takes --steps 0) is refused before it trains."""
     run = Run(variant, seed, flags, parse_config(flags))
+    if run.config.steps < 1:
+        raise ValueError(f"--steps must be >= 1 (a run of no PPO step has no curve to read), got {run.config.steps}")
     saved = run.dir / "config.json"
     if saved.is_file():
         check_settings(str(run.dir), json.loads(saved.read_text()), dataclasses.asdict(run.config),

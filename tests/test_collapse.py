@@ -136,6 +136,16 @@ def test_no_seed_or_no_arm_is_an_error_not_an_empty_report(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_no_ppo_step_is_refused_before_anything_trains(tmp_path, monkeypatch):
+    """--steps 0 (train.py takes it) trained pi_SFT and every run, then stopped in an IndexError."""
+    monkeypatch.setattr(collapse.ablation, "run_grid", lambda runs, jobs: pytest.fail("started train.py"))
+    with pytest.raises(ValueError, match="--steps must be >= 1"):
+        collapse.main(collapse.Args(out=tmp_path / "out", out_dir=str(tmp_path), steps=0), [])
+    with pytest.raises(ValueError, match="--steps must be >= 1"):
+        collapse.ablation.main(collapse.ablation.Args(out=tmp_path / "out", out_dir=str(tmp_path)), ["--steps", "0"])
+    assert not any(tmp_path.iterdir())
+
+
 @pytest.mark.slow
 def test_micro_grid_through_train_py_ends_with_the_summary_line(tmp_path):
     cmd = [sys.executable, str(ROOT / "analysis" / "collapse.py"), "--steps", "2", "--out", str(tmp_path / "out"),
