@@ -43,7 +43,7 @@ import torch
 from tqdm import tqdm
 
 from support import rundir
-from analysis import run_cli
+from analysis import json_text, run_cli
 from support.config import Config, check_settings, core_share, parse_config
 from critic import orm_path
 from support.sft import prepare_sft, sft_cache_path
@@ -85,7 +85,8 @@ class Args:
     jobs: int = 2
     """train.py processes at once (each gets an equal share of the cores unless --threads is given)"""
     quick: bool = False
-    """a <= 10 minute version: ppo and vc-ppo x 2 seeds, 10 PPO steps, a smaller ORM, in runs/ablation-quick"""
+    """a <= 10 minute version: ppo and vc-ppo x 2 seeds, 10 PPO steps, a smaller ORM, in runs/ablation-quick
+    (--variants, --seeds and --out-dir given beside it are kept)"""
     read_only: bool = False
     """only read finished runs; never start train.py"""
 
@@ -108,6 +109,7 @@ class Run:
 
 def plan_runs(args: Args, train_flags: list[str]) -> list[Run]:
     """One Run per (variant, seed); a finished run whose config differs from the requested one is an error."""
+    check_nonempty(variants=args.variants, seeds=args.seeds)
     unknown = [v for v in args.variants if v not in VARIANTS]
     if unknown:
         raise ValueError(f"unknown variant(s) {unknown}; choose from {list(VARIANTS)}")
@@ -122,10 +124,20 @@ def plan_runs(args: Args, train_flags: list[str]) -> list[Run]:
     return runs
 
 
+def check_nonempty(**choices) -> None:
+    """A flag given with no value (`--seeds` alone) plans no run: say so, rather than report on nothing."""
+    empty = [name for name, chosen in choices.items() if not chosen]
+    if empty:
+        raise ValueError(f"--{empty[0]} is empty: give at least one")
+
+
 def planned_run(variant: str, seed: int, flags: list[str]) -> Run:
     """The Run of train.py's `flags`; a run directory already there must hold a run of those
-    settings: reused as finished, its length must match too (the rest of how it ran need not)."""
+    settings: reused as finished, its length must match too (the rest of how it ran need not). Every
+    report reads the PPO steps, so a run of none (train.py takes --steps 0) is refused before it trains."""
     run = Run(variant, seed, flags, parse_config(flags))
+    if run.config.steps < 1:
+        raise ValueError(f"--steps must be >= 1 (a run of no PPO step has no curve to read), got {run.config.steps}")
     saved = run.dir / "config.json"
     if saved.is_file():
         check_settings(str(run.dir), json.loads(saved.read_text()), dataclasses.asdict(run.config),
@@ -318,8 +330,10 @@ def markdown(agg: dict, wall: float, ran: int, runs: list[Run], loaded: dict, ta
 
 
 def main(args: Args, train_flags: list[str]) -> dict:
-    if args.quick:
-        args = dataclasses.replace(args, variants=QUICK["variants"], seeds=QUICK["seeds"], out_dir=QUICK["out_dir"])
+    if args.quick:  # its settings replace the defaults only: a flag given beside --quick is kept
+        default = Args()
+        args = dataclasses.replace(args, **{k: QUICK[k] for k in ("variants", "seeds", "out_dir")
+                                            if getattr(args, k) == getattr(default, k)})
         train_flags = [*QUICK["train_flags"], *train_flags]
     runs = plan_runs(args, train_flags)
     ran, wall, failed = 0, 0.0, []
@@ -339,8 +353,8 @@ def main(args: Args, train_flags: list[str]) -> dict:
     task = task_name(runs[0].config)  # plan_runs gives every run the same settings but the variant's
     plot(agg["curves"], png, task)
     md.write_text(markdown(agg, wall, ran, runs, loaded, task))
-    js.write_text(json.dumps({"table": agg["table"], "curves": {v: {k: c.tolist() for k, c in cs.items()}
-                                                                for v, cs in agg["curves"].items()}}, indent=1))
+    js.write_text(json_text({"table": agg["table"], "curves": {v: {k: c.tolist() for k, c in cs.items()}
+                                                               for v, cs in agg["curves"].items()}}))
     print(md.read_text())
     for r in missing:
         print(f"missing: {r.dir} ({'failed, see ' + str(r.dir / 'train.log') if r in failed else 'not run'})")

@@ -18,7 +18,6 @@ task, sampling, reward and the stages --build runs are the run's.
     python analysis/advantage_bias.py --offset -2 -- --out-dir runs/collapse   # the critics of analysis/collapse.py
 """
 import dataclasses
-import json
 import os
 import time
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from support import rundir
-from analysis import run_cli
+from analysis import json_text, run_cli
 from support.config import parse_config
 from critic import check_orm, fresh_head_seed, load_value_model, orm_path, orm_quality, prepare_orm, response_values, shift_values
 from support.data import prepare_data, sample_prompts, stream_seed
@@ -456,7 +455,7 @@ def main(args: Args, train_argv: list[str] = ()) -> BiasResult:
     png, md, js = (args.out / f"advantage_bias.{ext}" for ext in ("png", "md", "json"))
     plot(result, png)
     md.write_text(markdown(result, paths, cfg.gamma, seconds))
-    js.write_text(json.dumps(to_json(result), indent=1))
+    js.write_text(json_text(to_json(result)))
     print(md.read_text())
     print(f"wrote {png}, {md} and {js}")
     return result

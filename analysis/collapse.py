@@ -53,7 +53,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 
-from analysis import ablation, advantage_bias, run_cli
+from analysis import ablation, advantage_bias, json_text, run_cli
 
 OFFSETS = (-3.0, -2.0, -1.0, 0.0, 1.0)  # the dose-response
 WINDOW = 5  # steps of the moving averages
@@ -106,6 +106,7 @@ def arm_flags(offset: float) -> dict[str, tuple[list[str], float | None]]:
 
 
 def chosen_arms(args: Args) -> list[str]:
+    ablation.check_nonempty(arms=args.arms, seeds=args.seeds)
     unknown = [a for a in args.arms if a not in ARMS]
     if unknown:
         raise ValueError(f"unknown arm(s) {unknown}; choose from {list(ARMS)}")
@@ -409,7 +410,7 @@ def main(args: Args, train_flags: list[str]) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     plot(m, args.out / "collapse.png")
     (args.out / "collapse.md").write_text(markdown(m, runs))
-    (args.out / "collapse.json").write_text(json.dumps(m, indent=1))
+    (args.out / "collapse.json").write_text(json_text(m))
     print((args.out / "collapse.md").read_text())
     for run_dir in missing:
         print(f"left out (not finished or not started): {run_dir}")

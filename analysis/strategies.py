@@ -77,6 +77,8 @@ def row(name: str, report: dict) -> str:
 def main(args: Args) -> dict:
     if not args.runs:
         raise ValueError("give at least one run directory")
+    if args.problems < 1:  # a pass@1 of no problem is undefined, not 0
+        raise ValueError(f"--problems must be >= 1, got {args.problems}")
     configs = [run_config(run) for run in args.runs]
     # A run still training (or stopped) has checkpoints too; its actor is not the one the run ends with.
     unfinished = [str(run) for run in args.runs if not rundir.finished(run)]

@@ -40,7 +40,6 @@ started, are listed as such. Flags after `--` go to every run.
     python analysis/sweep.py --cells actor-lr-2e-4 actor-lr-1e-4     # runs what is missing, then the table
     python analysis/sweep.py --read-only --out results/sweep         # the table of what has finished
 """
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,7 +50,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 
-from analysis import ablation
+from analysis import ablation, json_text
 from analysis.collapse import WINDOW, length_ratio
 from support.config import parse_config
 from critic import orm_path, orm_settings
@@ -107,6 +106,9 @@ def link_caches(cell_out_dir: str, base_flags: list[str], cell_flags: list[str])
 
 
 def plan(args: Args, train_flags: list[str]) -> dict[str, list[ablation.Run]]:
+    ablation.check_nonempty(cells=args.cells, seeds=args.seeds)  # before the base pi_SFT trains
+    if not args.read_only and args.jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
     unknown = [c for c in args.cells if c not in CELLS]
     if unknown:
         raise ValueError(f"unknown cell(s) {unknown}; choose from {list(CELLS)}")
@@ -206,8 +208,12 @@ def over_seeds(cell: str, flags: str, ms: list[dict]) -> str:
             f"{cols[0]} | {cols[1]} | {sum(map(collapsed, ms))} of {len(ms)} | {sum(map(held, ms))} of {len(ms)} |")
 
 
-def markdown(results: dict) -> str:
+def markdown(results: dict, train_flags: list[str]) -> str:
+    """The table; `train_flags` (after `--`) follow each cell's own flags, so they are said: one of them
+    can override what the flags column shows."""
+    flags = " ".join(train_flags) or "none"
     lines = ["# Where does plain PPO collapse? The sweep on the long built-in task", "",
+             f"Every run: `--preset tiny-long`, the cell's flags, then the flags after `--`: {flags}.", "",
              f"Length ratio: lowest {WINDOW}-step moving average of the batch-mean response length over the first "
              f"step's. pass@1: held-out, after PPO. Training accuracy: mean over the first and last {WINDOW} steps. "
              "Collapses: plain PPO's ratio <= 0.7 and its pass@1 below pi_SFT's. Holds: VC-PPO's ratio >= 0.9 and its "
@@ -231,10 +237,13 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(results: dict, path: Path) -> None:
+def plot(results: dict, path: Path) -> bool:
+    """The curves of every finished cell-seed; False, and no figure (an earlier one removed: it would
+    show runs the table no longer does), when none has finished."""
     done = [(cell, seed, m) for cell, r in results.items() for seed, m in finished(r["seeds"]).items()]
     if not done:
-        return
+        path.unlink(missing_ok=True)
+        return False
     keys = (("response_length/mean", "batch mean length"), ("reward/accuracy", "training accuracy"))
     fig, axes = plt.subplots(len(done), 2, figsize=(11, 3 * len(done)), squeeze=False)
     for row, (cell, seed, m) in zip(axes, done):
@@ -247,6 +256,7 @@ def plot(results: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True
 
 
 def main(args: Args, train_flags: list[str]) -> dict:
@@ -255,13 +265,13 @@ def main(args: Args, train_flags: list[str]) -> dict:
         run_missing(runs, args.jobs)
     results = measure(runs)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "sweep.md").write_text(markdown(results))
-    (args.out / "sweep.json").write_text(json.dumps(results, indent=1))
-    plot(results, args.out / "sweep.png")
+    (args.out / "sweep.md").write_text(markdown(results, train_flags))
+    (args.out / "sweep.json").write_text(json_text(results))
+    drawn = plot(results, args.out / "sweep.png")
     print((args.out / "sweep.md").read_text())
     count = sum(len(finished(r["seeds"])) for r in results.values())
     print(f"{count} of {sum(len(r['seeds']) for r in results.values())} cell-seeds finished; "
-          f"wrote {args.out}/sweep.md, .json and .png")
+          f"wrote {args.out}/sweep.md, .json{' and .png' if drawn else ' (no .png: nothing to draw)'}")
     return results
 
 

@@ -54,6 +54,27 @@ def test_reads_a_grid_and_reports_mean_and_sample_std(tmp_path):
     assert json.loads((tmp_path / "out" / "ablation.json").read_text())["table"]["ppo"]["seeds"] == 2
 
 
+def test_the_json_is_strict_an_undefined_number_written_as_null(tmp_path):
+    """ablation.json held a bare NaN (pi_SFT's row always does), which jq and JSON.parse reject."""
+    fake_run(tmp_path, "ppo", 0, 0.2, [100, 50, 60])
+    ablation.main(ablation.Args(out=tmp_path / "out", out_dir=str(tmp_path), variants=("ppo",), seeds=(0,),
+                                read_only=True), [])
+    saved = json.loads((tmp_path / "out" / "ablation.json").read_text(), parse_constant=pytest.fail)
+    assert saved["table"]["pi_SFT"]["min_train_length"] == [None, None]
+    assert saved["table"]["ppo"]["pass@1"] == [0.2, None]  # one seed: no std
+
+
+def test_quick_keeps_the_variants_seeds_and_out_dir_given_beside_it(tmp_path, monkeypatch):
+    """--quick replaced them in silence: `--quick --out-dir X` trained in runs/ablation-quick."""
+    planned = []
+    monkeypatch.setattr(ablation, "plan_runs", lambda args, flags: planned.append((args, flags)) or [])
+    with pytest.raises(ValueError):  # nothing planned, nothing to read
+        ablation.main(ablation.Args(quick=True, out_dir=str(tmp_path), seeds=(5,), read_only=True), ["--steps", "3"])
+    args, flags = planned[0]
+    assert (args.out_dir, args.seeds, args.variants) == (str(tmp_path), (5,), ("ppo", "vc-ppo"))
+    assert flags[:2] == ["--steps", "10"] and flags[-2:] == ["--steps", "3"]
+
+
 def test_runs_evaluated_with_one_sample_report_no_pass_at_k_instead_of_crashing():
     """`--eval-samples 1` writes no pass@k: the table stopped with a bare StopIteration."""
     row = ablation.evaluation_row([{"pass@1": 0.25, "mean_length": 80.0}, {"pass@1": 0.75, "mean_length": 90.0}], None)
@@ -93,6 +114,13 @@ def test_unknown_variant_and_nothing_to_read_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="--jobs must be >= 1, got 0"):  # it was a ZeroDivisionError, after SFT
         ablation.main(ablation.Args(out_dir=str(tmp_path), variants=("ppo",), jobs=0), [])
     assert not (tmp_path / "_shared").exists()
+
+
+def test_no_seed_or_no_variant_says_so(tmp_path):
+    """`--seeds` alone was reported as 'no finished run to read', as if runs had failed."""
+    for empty in ({"seeds": ()}, {"variants": ()}):
+        with pytest.raises(ValueError, match=f"--{next(iter(empty))} is empty: give at least one"):
+            ablation.main(ablation.Args(out_dir=str(tmp_path), out=tmp_path / "out", **empty), [])
 
 
 @pytest.mark.slow

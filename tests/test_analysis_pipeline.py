@@ -13,7 +13,7 @@ import torch
 
 from support import rundir
 from support import task
-from analysis import advantage_bias, value_pretrain_curves
+from analysis import advantage_bias, strategies, value_pretrain_curves
 from support.config import parse_config
 from critic import load_value_model, orm_settings, roc_auc
 
@@ -284,3 +284,10 @@ def test_the_fresh_head_critic_is_the_one_a_run_of_that_seed_starts_from(run_roo
     monkeypatch.setattr(advantage_bias, "load_value_model", recording)
     run_bias(run_root, tmp_path, seed=3)
     assert seeds["sft"] == fresh_head_seed(3) != fresh_head_seed(0)
+
+
+def test_strategies_refuses_no_problem_rather_than_report_a_pass_at_1_of_0(run_root, tmp_path):
+    """--problems 0 wrote a table of pass@1 0.000 for pi_SFT and every run."""
+    with pytest.raises(ValueError, match="--problems must be >= 1, got 0"):
+        strategies.main(strategies.Args(runs=(run_root / RUN,), problems=0, out=tmp_path))
+    assert not (tmp_path / "strategies.md").exists()

@@ -127,6 +127,25 @@ def test_read_only_leaves_out_what_did_not_finish_and_stops_when_nothing_did(tmp
     assert out.strip().splitlines()[-1].startswith("collapse offset=-2 ppo_length_ratio=0.688 vcppo_length_ratio=1.000")
 
 
+def test_no_seed_or_no_arm_is_an_error_not_an_empty_report(tmp_path):
+    """`--seeds` or `--arms` alone wrote collapse.md with no row and a summary line of n/a and nan."""
+    for empty in ({"seeds": ()}, {"arms": ()}):
+        args = collapse.Args(out=tmp_path / "out", out_dir=str(tmp_path), **empty)
+        with pytest.raises(ValueError, match=f"--{next(iter(empty))} is empty"):
+            collapse.main(args, [])
+    assert not (tmp_path / "out").exists()
+
+
+def test_no_ppo_step_is_refused_before_anything_trains(tmp_path, monkeypatch):
+    """--steps 0 (train.py takes it) trained pi_SFT and every run, then stopped in an IndexError."""
+    monkeypatch.setattr(collapse.ablation, "run_grid", lambda runs, jobs: pytest.fail("started train.py"))
+    with pytest.raises(ValueError, match="--steps must be >= 1"):
+        collapse.main(collapse.Args(out=tmp_path / "out", out_dir=str(tmp_path), steps=0), [])
+    with pytest.raises(ValueError, match="--steps must be >= 1"):
+        collapse.ablation.main(collapse.ablation.Args(out=tmp_path / "out", out_dir=str(tmp_path)), ["--steps", "0"])
+    assert not any(tmp_path.iterdir())
+
+
 @pytest.mark.slow
 def test_micro_grid_through_train_py_ends_with_the_summary_line(tmp_path):
     cmd = [sys.executable, str(ROOT / "analysis" / "collapse.py"), "--steps", "2", "--out", str(tmp_path / "out"),

@@ -3,6 +3,8 @@ import dataclasses
 import json
 from pathlib import Path
 
+import pytest
+
 from support import config
 from analysis import ablation, sweep
 
@@ -92,3 +94,45 @@ def test_reads_finished_cells_and_lists_the_others(tmp_path):
     assert all("not started" in r for r in rows[7:]) and len(rows) == 10
     assert json.loads((tmp_path / "out" / "sweep.json").read_text())["default"]["seeds"]["0"]["sft_acc"] == 0.25
     assert (tmp_path / "out" / "sweep.png").stat().st_size > 0
+
+
+def test_the_table_says_the_flags_after_the_dashes_that_may_override_a_cells(tmp_path):
+    """`-- --steps 2` ran every cell 2 steps while the flags column still read `--steps 50`, and the
+    report said nothing of it."""
+    fake_run(tmp_path / "base", "ppo", 2, [600, 500], 0.1)
+    fake_run(tmp_path / "base", "vc-ppo", 2, [600, 620], 0.4)
+    args = sweep.Args(cells=("default",), out_dir=str(tmp_path / "base"), root=str(tmp_path / "sweep"),
+                      out=tmp_path / "out", read_only=True)
+    sweep.main(args, ["--steps", "2"])
+    md = (tmp_path / "out" / "sweep.md").read_text()
+    assert "then the flags after `--`: --steps 2." in md and "| default | `--steps 50` | 0 | 2 |" in md
+
+
+def test_with_nothing_finished_it_leaves_no_figure_and_does_not_say_it_wrote_one(tmp_path, capsys):
+    """It printed 'wrote ... .png' and left no figure, or an earlier one of other runs."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "sweep.png").write_bytes(b"an earlier figure")
+    args = sweep.Args(cells=("default",), out_dir=str(tmp_path / "base"), root=str(tmp_path / "sweep"), out=out,
+                      read_only=True)
+    sweep.main(args, [])
+    assert not (out / "sweep.png").exists()
+    assert capsys.readouterr().out.strip().endswith("sweep.md, .json (no .png: nothing to draw)")
+
+
+def test_no_seed_or_no_cell_is_an_error_before_anything_trains(tmp_path, monkeypatch):
+    """`--seeds` alone wrote an empty table (and, without --read-only, trained the base pi_SFT first)."""
+    monkeypatch.setattr(ablation, "build_missing_sft", lambda configs: pytest.fail("trained pi_SFT"))
+    for empty in ({"seeds": ()}, {"cells": ()}):
+        args = sweep.Args(out_dir=str(tmp_path / "base"), root=str(tmp_path / "sweep"), out=tmp_path / "out", **empty)
+        with pytest.raises(ValueError, match=f"--{next(iter(empty))} is empty"):
+            sweep.main(args, [])
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_bad_jobs_is_an_error_before_the_base_pi_sft_trains(tmp_path, monkeypatch):
+    """--jobs 0 stopped in run_grid, after the long task's pi_SFT (about 30 minutes of a core) had trained."""
+    monkeypatch.setattr(ablation, "build_missing_sft", lambda configs: pytest.fail("trained pi_SFT"))
+    args = sweep.Args(out_dir=str(tmp_path / "base"), root=str(tmp_path / "sweep"), out=tmp_path / "out", jobs=0)
+    with pytest.raises(ValueError, match="--jobs must be >= 1, got 0"):
+        sweep.main(args, [])
