@@ -1,6 +1,5 @@
 """The paper's diagnostics, one script each (README, "Analysis"). Shared here: the command line of
 the scripts, which turns a bad flag, input or setting into a one-line message."""
-import json
 import sys
 
 import tyro
@@ -18,11 +17,3 @@ def run_cli(main, args_type, description: str, with_train_flags: bool = False):
         return main(args, argv[cut + 1 :]) if with_train_flags else main(args)
     except (ValueError, FileNotFoundError) as err:
         sys.exit(f"error: {err}")
-
-
-def json_text(obj) -> str:
-    """A report's .json, with each undefined (NaN) number as null: strict readers (jq, JSON.parse)
-    reject a bare NaN, as train.py's own files avoid (rundir.json_safe)."""
-    from support.rundir import json_safe
-
-    return json.dumps(json_safe(obj), indent=1, allow_nan=False)

@@ -43,7 +43,7 @@ import torch
 from tqdm import tqdm
 
 from support import rundir
-from analysis import json_text, run_cli
+from analysis import run_cli
 from support.config import Config, check_settings, core_share, parse_config
 from critic import orm_path
 from support.sft import prepare_sft, sft_cache_path
@@ -131,6 +131,12 @@ def check_nonempty(**choices) -> None:
         raise ValueError(f"--{empty[0]} is empty: give at least one")
 
 
+def check_jobs(jobs: int) -> None:
+    """--jobs, checked by each grid before anything trains (a missing pi_SFT takes minutes)."""
+    if jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {jobs}")
+
+
 def planned_run(variant: str, seed: int, flags: list[str]) -> Run:
     """The Run of train.py's `flags`; a run directory already there must hold a run of those
     settings: reused as finished, its length must match too (the rest of how it ran need not). Every
@@ -167,8 +173,7 @@ def run_grid(runs: list[Run], jobs: int) -> tuple[float, list[Run]]:
     missing shared pi_SFT is trained first, here, on every core (every run reads it: they could only
     wait); each missing ORM (MSE, Bradley-Terry) is built by the first run that reads it, and the
     other runs that read it start once it is built, or once its builder has stopped."""
-    if jobs < 1:  # before a missing pi_SFT trains for minutes
-        raise ValueError(f"--jobs must be >= 1, got {jobs}")
+    check_jobs(jobs)  # before a missing pi_SFT trains for minutes
     todo = [r for r in runs if not r.done]
     failed, start = [], time.time()
     if not todo:
@@ -353,8 +358,8 @@ def main(args: Args, train_flags: list[str]) -> dict:
     task = task_name(runs[0].config)  # plan_runs gives every run the same settings but the variant's
     plot(agg["curves"], png, task)
     md.write_text(markdown(agg, wall, ran, runs, loaded, task))
-    js.write_text(json_text({"table": agg["table"], "curves": {v: {k: c.tolist() for k, c in cs.items()}
-                                                               for v, cs in agg["curves"].items()}}))
+    rundir.write_json(str(js), {"table": agg["table"], "curves": {v: {k: c.tolist() for k, c in cs.items()}
+                                                                  for v, cs in agg["curves"].items()}})  # NaN as null
     print(md.read_text())
     for r in missing:
         print(f"missing: {r.dir} ({'failed, see ' + str(r.dir / 'train.log') if r in failed else 'not run'})")

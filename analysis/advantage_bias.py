@@ -33,7 +33,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from support import rundir
-from analysis import json_text, run_cli
+from analysis import run_cli
 from support.config import parse_config
 from critic import check_orm, fresh_head_seed, load_value_model, orm_path, orm_quality, prepare_orm, response_values, shift_values
 from support.data import prepare_data, sample_prompts, stream_seed
@@ -455,7 +455,7 @@ def main(args: Args, train_argv: list[str] = ()) -> BiasResult:
     png, md, js = (args.out / f"advantage_bias.{ext}" for ext in ("png", "md", "json"))
     plot(result, png)
     md.write_text(markdown(result, paths, cfg.gamma, seconds))
-    js.write_text(json_text(to_json(result)))
+    rundir.write_json(str(js), to_json(result))  # NaN as null
     print(md.read_text())
     print(f"wrote {png}, {md} and {js}")
     return result

@@ -53,7 +53,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 
-from analysis import ablation, advantage_bias, json_text, run_cli
+from analysis import ablation, advantage_bias, run_cli
+from support import rundir
 
 OFFSETS = (-3.0, -2.0, -1.0, 0.0, 1.0)  # the dose-response
 WINDOW = 5  # steps of the moving averages
@@ -410,7 +411,7 @@ def main(args: Args, train_flags: list[str]) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     plot(m, args.out / "collapse.png")
     (args.out / "collapse.md").write_text(markdown(m, runs))
-    (args.out / "collapse.json").write_text(json_text(m))
+    rundir.write_json(str(args.out / "collapse.json"), m)  # NaN as null
     print((args.out / "collapse.md").read_text())
     for run_dir in missing:
         print(f"left out (not finished or not started): {run_dir}")

@@ -50,7 +50,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 
-from analysis import ablation, json_text
+from analysis import ablation
+from support import rundir
 from analysis.collapse import WINDOW, length_ratio
 from support.config import parse_config
 from critic import orm_path, orm_settings
@@ -107,8 +108,8 @@ def link_caches(cell_out_dir: str, base_flags: list[str], cell_flags: list[str])
 
 def plan(args: Args, train_flags: list[str]) -> dict[str, list[ablation.Run]]:
     ablation.check_nonempty(cells=args.cells, seeds=args.seeds)  # before the base pi_SFT trains
-    if not args.read_only and args.jobs < 1:
-        raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
+    if not args.read_only:
+        ablation.check_jobs(args.jobs)
     unknown = [c for c in args.cells if c not in CELLS]
     if unknown:
         raise ValueError(f"unknown cell(s) {unknown}; choose from {list(CELLS)}")
@@ -266,7 +267,7 @@ def main(args: Args, train_flags: list[str]) -> dict:
     results = measure(runs)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "sweep.md").write_text(markdown(results, train_flags))
-    (args.out / "sweep.json").write_text(json_text(results))
+    rundir.write_json(str(args.out / "sweep.json"), results)  # NaN as null
     drawn = plot(results, args.out / "sweep.png")
     print((args.out / "sweep.md").read_text())
     count = sum(len(finished(r["seeds"])) for r in results.values())
