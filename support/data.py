@@ -355,6 +355,13 @@ def load_records(
     template_marks = _template_marks(tokenizer)
     files = data_files(path)
     set_names = _set_names(files)
+
+    def bad_record(error: DataError) -> None:  # stop on it, or count it (the first kept, to name it)
+        if on_error == "raise":
+            raise error
+        stats.skipped_malformed += 1
+        stats.first_skipped = stats.first_skipped or str(error)
+
     for file in files:
         suffix = file.suffix.lower()
         if suffix == ".jsonl":
@@ -371,22 +378,15 @@ def load_records(
                 prompt = apply_template(prompt, prompt_template)
                 _check_not_templated(where, prompt, template_marks)
             except DataError as e:
-                if on_error == "raise":
-                    raise
-                stats.skipped_malformed += 1
-                stats.first_skipped = stats.first_skipped or str(e)
+                bad_record(e)
                 continue
             try:  # not a fault of the record, so never skipped: a tokenizer without a chat template
                 prompt_ids = encode_prompt(tokenizer, prompt)
             except DataError as e:
                 raise DataError(f"{where}: {e}") from None
             if not prompt_ids:  # a tokenizer that drops the characters it lacks: the rollout needs a token
-                error = DataError(f"{where}: the prompt has no token in the model's tokenizer (it drops every "
-                                  f"character of {str(prompt)[:40]!r})")
-                if on_error == "raise":
-                    raise error
-                stats.skipped_malformed += 1
-                stats.first_skipped = stats.first_skipped or str(error)
+                bad_record(DataError(f"{where}: the prompt has no token in the model's tokenizer (it drops every "
+                                     f"character of {str(prompt)[:40]!r})"))
                 continue
             if max_prompt_tokens is not None and len(prompt_ids) > max_prompt_tokens:
                 stats.dropped_too_long += 1
