@@ -36,7 +36,7 @@ from gae import compute_gae
 from support.masked import check_masked_inputs
 from ppo import explained_variance
 from ppo_update import assert_finite, micro_batched_forward, update_model
-from support.rundir import MAY_CHANGE, build_shared, input_files, json_safe, shared_path
+from support.rundir import MAY_CHANGE, build_shared, input_files, json_safe, shared_path, staging_path
 from sampling import Sampler
 
 # Settings that act only after value pretraining (PPO's own, and the run's name).
@@ -143,12 +143,12 @@ def check_rerun(cfg) -> None:
     replace the checkpoint (hours of pretraining at 32B). Checked before the run directory is written."""
     if cfg.resume or cfg.overwrite or cfg.estimator != "gae" or not cfg.value_pretrain_steps:
         return
-    leftovers = os.path.join(glob.escape(cfg.out_dir), "_shared", "value_pretrain",
-                             f"*.partial-{glob.escape(cfg.run_name)}")
+    leftovers = staging_path(os.path.join(glob.escape(cfg.out_dir), "_shared", "value_pretrain", "*"),
+                             glob.escape(cfg.run_name))
     if not any_rank(bool(glob.glob(leftovers))):  # the usual case, told without reading --model and --data
         return
     shared = shared_path(cfg, "value_pretrain", pretrain_settings(cfg))
-    found = saved_checkpoints(os.path.join(f"{shared}.partial-{cfg.run_name}", "checkpoint"))
+    found = saved_checkpoints(os.path.join(staging_path(shared, cfg.run_name), "checkpoint"))
     stopped_in = found[0] if found and not os.path.exists(shared) else ""  # a built stage's leftovers go unused
     if any_rank(bool(stopped_in)):  # every rank stops, even where another filesystem view differs
         raise ConfigError(f"{stopped_in or 'a checkpoint another rank sees'} holds this run's value pretraining: "

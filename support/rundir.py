@@ -227,7 +227,7 @@ def build_once(path: str, settings: dict, build, owner: str, remedy: str = "dele
     `fsdp_utils.wait_for_main`); rank 0 renames. A build that finds `path` taken when it ends
     (another run built it meanwhile) is dropped, as are the leftovers of an owner's killed build
     once another run has built the stage."""
-    staging = f"{path}.partial-{owner}"
+    staging = staging_path(path, owner)
     # Every rank looks before any builds: ranks that decided apart would wait in different collectives.
     if fsdp_utils.any_rank(os.path.exists(path)):
         check_stage(path, settings, remedy)
@@ -248,6 +248,11 @@ def build_once(path: str, settings: dict, build, owner: str, remedy: str = "dele
             shutil.rmtree(staging)
     fsdp_utils.wait_for_main()  # for as long as rank 0 builds alone (pi_SFT)
     return True
+
+
+def staging_path(path: str, owner: str) -> str:
+    """Where `owner` (a run's name) builds the stage `path` before it takes that name (`build_once`)."""
+    return f"{path}.partial-{owner}"
 
 
 def build_shared(cfg, link: str, settings: dict, build) -> bool:
@@ -348,9 +353,9 @@ def resume(cfg, run_dir: str, models: dict, optimizers: dict, schedulers: list) 
             scheduler.load_state_dict(state)
         if fsdp_utils.is_main():
             tqdm.write(f"resumed from {found} at step {start}")
-        if saved_world != world and fsdp_utils.is_main():  # each rank samples its own share
-            tqdm.write(f"note: world size {world}, checkpoint written at {saved_world}: the rest of the run "
-                       f"samples differently than the uninterrupted run would have")
+            if saved_world != world:  # each rank samples its own share
+                tqdm.write(f"note: world size {world}, checkpoint written at {saved_world}: the rest of the run "
+                           f"samples differently than the uninterrupted run would have")
         return start
     if ((found := checkpoints.saved_checkpoints(ckpt)) or cfg.resume) and fsdp_utils.is_main():  # found: --overwrite
         tqdm.write(f"{'found' if found else 'no checkpoint at'} {ckpt}: PPO starts at step 0"
