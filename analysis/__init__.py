@@ -9,7 +9,8 @@ def run_cli(main, args_type, description: str, with_train_flags: bool = False):
     """main(the script's own Args[, train.py's flags]) from the command line. With train.py's flags:
     flags before a `--` are the script's, the ones after it go to `config.parse_config`, so the
     script sees the run exactly as train.py does. Bad input (a ValueError, such as config.ConfigError
-    and data.DataError, or a missing file) ends the process with `error: ...`."""
+    and data.DataError, or a missing file) ends the process with `error: ...`; a signal (Ctrl-C, a
+    scheduler's SIGTERM) with a line and its exit code, not a traceback."""
     argv = sys.argv[1:]
     cut = argv.index("--") if with_train_flags and "--" in argv else len(argv)
     args = tyro.cli(args_type, args=argv[:cut], description=description)
@@ -17,3 +18,12 @@ def run_cli(main, args_type, description: str, with_train_flags: bool = False):
         return main(args, argv[cut + 1 :]) if with_train_flags else main(args)
     except (ValueError, FileNotFoundError) as err:
         sys.exit(f"error: {err}")
+    except KeyboardInterrupt:  # Ctrl-C outside a grid: whatever finished whole is kept
+        print("interrupted; the same command reuses what finished", file=sys.stderr)
+        sys.exit(130)
+    except BaseException as err:
+        from support.preemption import Preempted  # not at the top: it imports torch, which some scripts need not
+
+        if isinstance(err, Preempted):  # a grid stopped on a signal; its line is printed
+            sys.exit(err.exit_code)
+        raise

@@ -29,6 +29,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
@@ -42,7 +43,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from support import rundir
+from support import preemption, rundir
 from analysis import run_cli
 from support.config import Config, check_settings, core_share, parse_config
 from critic import orm_path
@@ -151,15 +152,42 @@ def planned_run(variant: str, seed: int, flags: list[str]) -> Run:
     return run
 
 
-def execute(run: Run, threads: int) -> tuple[Run, float, int]:
+class Children:
+    """The train.py processes a grid has under way. A signal to the grid alone (a scheduler's
+    SIGTERM; Ctrl-C reaches them too) is passed on to each, and no run starts after it."""
+
+    def __init__(self):
+        self.lock, self.running, self.stopped_by = threading.Lock(), set(), None
+
+    def start(self, argv: list[str], **popen_kwargs) -> subprocess.Popen | None:
+        with self.lock:
+            if self.stopped_by is not None:
+                return None
+            child = subprocess.Popen(argv, **popen_kwargs)
+            self.running.add(child)
+            return child
+
+    def stop(self, signum: int) -> None:
+        with self.lock:
+            self.stopped_by = signum
+            for child in self.running:  # a repeat of the same signal within seconds: train.py takes it once
+                child.send_signal(signum)
+
+
+def execute(run: Run, threads: int, children: Children | None = None) -> tuple[Run, float, int]:
     """train.py in a child process (log in <run>/train.log) with `threads` torch threads unless its
-    flags set them; --resume continues a stopped run."""
+    flags set them; --resume continues a stopped run. Returns the child's exit code (-1: not
+    started, the grid was stopped)."""
     run.dir.mkdir(parents=True, exist_ok=True)
     start = time.time()
     share = ["--threads", str(threads)] if run.config.threads is None else []
     with open(run.dir / "train.log", "a") as log:
-        code = subprocess.call([sys.executable, str(TRAIN), *run.flags, *share, "--resume"],
-                               stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "TQDM_MININTERVAL": "30"})
+        child = (children or Children()).start(
+            [sys.executable, str(TRAIN), *run.flags, *share, "--resume"],
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "TQDM_MININTERVAL": "30"})
+        if child is None:
+            return run, 0.0, -1
+        code = child.wait()
     wall = time.time() - start
     record = run.dir / "ablation_run.json"
     before = json.loads(record.read_text()).get("wall_s", 0.0) if record.is_file() else 0.0  # a resumed run's earlier part
@@ -194,19 +222,27 @@ def run_grid(runs: list[Run], jobs: int) -> tuple[float, list[Run]]:
 
     threads = core_share(jobs)  # the runs side by side share the cores
     bar = tqdm(total=len(todo), desc="ablation runs", dynamic_ncols=True)
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        waiting = todo
-        while waiting:
-            ready_now = [r for r in waiting if ready(r)]  # queued in order: a builder first
-            futures |= {id(r): pool.submit(execute, r, threads) for r in ready_now}
-            waiting = [r for r in waiting if r not in ready_now]
-            if waiting:
-                time.sleep(CACHE_POLL_S)
-        for future in as_completed(futures.values()):
-            run, wall, code = future.result()
-            failed.extend([run] if code else [])
-            bar.update()
-            tqdm.write(f"{run.dir.name}: {'done' if code == 0 else f'FAILED (exit {code})'} in {wall:.0f} s")
+    children = Children()
+    with preemption.handled(lambda: "The runs under way save a checkpoint and stop, and no other starts; "
+                                    "the same command goes on from there"), \
+            ThreadPoolExecutor(max_workers=jobs) as pool:
+        try:
+            waiting = todo
+            while waiting:
+                ready_now = [r for r in waiting if ready(r)]  # queued in order: a builder first
+                futures |= {id(r): pool.submit(execute, r, threads, children) for r in ready_now}
+                waiting = [r for r in waiting if r not in ready_now]
+                if waiting:
+                    time.sleep(CACHE_POLL_S)
+            for future in as_completed(futures.values()):
+                run, wall, code = future.result()
+                failed.extend([run] if code else [])
+                bar.update()
+                tqdm.write(f"{run.dir.name}: {'done' if code == 0 else f'FAILED (exit {code})'} in {wall:.0f} s")
+        except preemption.Preempted as stopped:
+            children.stop(stopped.signum)
+            pool.shutdown(cancel_futures=True)  # waits for the runs under way to save
+            raise
     bar.close()
     return time.time() - start, failed
 

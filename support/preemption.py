@@ -33,7 +33,7 @@ class Preempted(BaseException):
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
-        self.exit_code = 128 + signum
+        self.signum, self.exit_code = signum, 128 + signum
 
 
 _received: tuple[int, float] | None = None  # (signal, when) of the first signal

@@ -3,6 +3,9 @@ running a micro grid through train.py."""
 import dataclasses
 import json
 import math
+import os
+import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -11,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from support import config
-from analysis import ablation
+from support import config, preemption
+from analysis import ablation, run_cli
 
 from test_train import MICRO
 
@@ -188,7 +191,7 @@ def test_runs_waiting_for_the_shared_stages_start_once_what_they_read_is_built(t
         log(f"built {sft.name} on {torch.get_num_threads()} threads")
         sft.mkdir(parents=True)
 
-    def fake_execute(run, threads):
+    def fake_execute(run, threads, children):
         log(f"start {run.dir.name}")
         if run.dir.name == "ablation__ppo__seed0":
             # The runs from pi_SFT must not wait for the ORM: it is built once they have started (or
@@ -220,12 +223,20 @@ def test_runs_waiting_for_the_shared_stages_start_once_what_they_read_is_built(t
     assert sum(e.startswith(f"built {sft.name}") for e in events) == 1
 
 
+class FinishedChild:
+    """A train.py child that has finished well."""
+
+    def wait(self) -> int:
+        return 0
+
+
 def test_runs_side_by_side_share_the_cores_unless_their_flags_set_threads(tmp_path, monkeypatch):
     """Each run of a grid gets cores // jobs torch threads (two runs on two cores must not spin four
     threads against each other); one whose flags give --threads keeps its own."""
     calls = []
-    monkeypatch.setattr(ablation.subprocess, "call", lambda argv, **kw: calls.append(argv) or 0)
+    monkeypatch.setattr(ablation.subprocess, "Popen", lambda argv, **kw: calls.append(argv) or FinishedChild())
     monkeypatch.setattr(config, "usable_cores", lambda: 4)
+    monkeypatch.setattr(ablation, "CACHE_POLL_S", 0.1)  # seed 1 waits for seed 0's ORM
     args = ablation.Args(out_dir=str(tmp_path), variants=("ppo",), seeds=(0,))
     (Path(tmp_path) / "_shared" / "sft").mkdir(parents=True)  # no builder: the runs start at once
     runs = ablation.plan_runs(args, []) + ablation.plan_runs(dataclasses.replace(args, seeds=(1,)), ["--threads", "3"])
@@ -241,7 +252,56 @@ def test_the_wall_time_of_a_resumed_run_adds_up_its_parts(tmp_path, monkeypatch)
     run = ablation.planned_run("ppo", 0, ["--out-dir", str(tmp_path), "--run-name", "r"])
     clock = iter([0.0, 2.0, 10.0, 10.5])
     monkeypatch.setattr(ablation.time, "time", lambda: next(clock))
-    monkeypatch.setattr(ablation.subprocess, "call", lambda *args, **kwargs: 0)
+    monkeypatch.setattr(ablation.subprocess, "Popen", lambda *args, **kwargs: FinishedChild())
     ablation.execute(run, threads=1)
     ablation.execute(run, threads=1)
     assert json.loads((run.dir / "ablation_run.json").read_text())["wall_s"] == 2.5
+
+
+FAKE_TRAIN = """
+import pathlib, signal, sys, time
+run = pathlib.Path(sys.argv[sys.argv.index("--out-dir") + 1], sys.argv[sys.argv.index("--run-name") + 1])
+signal.signal(signal.SIGTERM, lambda *_: ((run / "saved").touch(), sys.exit(143)))  # as train.py: save, stop
+(run / "started").touch()
+time.sleep(20)
+"""
+
+
+def test_a_signal_to_the_grid_stops_the_run_under_way_and_starts_no_other(tmp_path, monkeypatch):
+    """A scheduler's SIGTERM reaches the grid's process alone. It went to no run: the run under way
+    trained on, and the queued runs then started one after another, the grid still running."""
+    fake = tmp_path / "fake_train.py"
+    fake.write_text(FAKE_TRAIN)
+    monkeypatch.setattr(ablation, "TRAIN", fake)
+    (tmp_path / "_shared" / "sft").mkdir(parents=True)  # no pi_SFT to build
+    runs = ablation.plan_runs(ablation.Args(out_dir=str(tmp_path), variants=("vc-ppo",), seeds=(0, 1, 2)), [])
+
+    def terminate_once_started():
+        deadline = time.time() + 60
+        while not (runs[0].dir / "started").exists() and time.time() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    # This process's own handler, in case the grid sets none (pytest would die of SIGTERM).
+    previous = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(RuntimeError("grid took no signal")))
+    try:
+        threading.Thread(target=terminate_once_started, daemon=True).start()
+        start = time.time()
+        with pytest.raises(preemption.Preempted):
+            ablation.run_grid(runs, jobs=1)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert (runs[0].dir / "saved").exists()  # the signal was passed on
+    assert not any((r.dir / "started").exists() for r in runs[1:])
+    assert time.time() - start < 15
+
+
+def test_ctrl_c_in_a_script_ends_with_a_line_and_exit_code_130_not_a_traceback(monkeypatch, capsys):
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sys, "argv", ["script.py"])
+    with pytest.raises((SystemExit, KeyboardInterrupt)) as stop:  # a KeyboardInterrupt would stop pytest
+        run_cli(interrupted, ablation.Args, "a script")
+    assert stop.type is SystemExit and stop.value.code == 130
+    assert "interrupted; the same command reuses what finished" in capsys.readouterr().err
