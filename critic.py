@@ -15,6 +15,7 @@ Plain PPO initialises the critic from the ORM, whose prefix values are out of di
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 import numpy as np
@@ -167,6 +168,10 @@ def train_orm(model, batches: list[RolloutBatch], outcomes: list[torch.Tensor], 
         (summed / count).backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        # A NaN loss would step every weight to NaN, and the diverged ORM be cached as a stage. As in
+        # update_model: a global norm, so every rank stops here together.
+        if not math.isfinite(grad_norm):
+            raise FloatingPointError(f"ORM training step {step}: gradient norm is {grad_norm}")
         optimizer.step()
         totals = reduce_metrics({"loss": summed.item(), "correct": correct.item()}, sums=("loss", "correct"))
         accuracy = "orm/sign_accuracy" if loss == "mse" else "orm/pair_accuracy"
