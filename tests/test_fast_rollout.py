@@ -107,6 +107,26 @@ def test_samples_follow_the_distribution_of_generates():
         assert chi_square_p(fast, reference) > 1e-3
 
 
+def test_a_llama_decodes_with_its_causal_and_padding_masks_as_generate(policy):
+    """Llama (unlike Qwen2) builds its masks from whatever it is passed: given the {layer type: mask}
+    mapping, it found no mask function for the registered attention and attended to every position,
+    future and padding ones included (greedy tokens differed even for one unpadded prompt)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    _, tokenizer = policy
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(
+            vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=1, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id, bos_token_id=None)).eval()
+    prompts = [tokenizer(t)["input_ids"] for t in PROMPTS]
+    fast, reference = FastHFRollout(model, tokenizer).generate(prompts, 12, temperature=0), \
+        HFRollout(model, tokenizer).generate(prompts, 12, temperature=0)
+    assert torch.equal(fast.response_ids, reference.response_ids)
+    assert torch.allclose(fast.logprobs, reference.logprobs, atol=1e-5)
+
+
 def test_a_model_with_sliding_window_layers_is_refused_at_start_with_the_flag_to_use():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
