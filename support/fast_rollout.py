@@ -185,8 +185,11 @@ class FastHFRollout(HFRollout):
     docstring); rows that stop are dropped from the batch at once."""
 
     def __init__(self, model, tokenizer):
-        # The cache and the masks are full attention's; a model without layer_types has only those.
-        kinds = set(getattr(model.config, "layer_types", None) or ["full_attention"])
+        # The cache and the masks are full attention's. A model without layer_types has only those,
+        # unless its config sets a sliding window for every layer (Mistral-7B-v0.1, Phi-3-mini).
+        config = model.config
+        default = ["sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"]
+        kinds = set(getattr(config, "layer_types", None) or default)
         if kinds != {"full_attention"}:
             raise ValueError(f"--rollout hf-fast decodes full-attention layers only, and this model has "
                              f"{', '.join(sorted(kinds - {'full_attention'}))} layers: use --rollout hf")

@@ -128,7 +128,7 @@ def test_a_llama_decodes_with_its_causal_and_padding_masks_as_generate(policy):
 
 
 def test_a_model_with_sliding_window_layers_is_refused_at_start_with_the_flag_to_use():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     import train
     from support.config import Config, ConfigError
@@ -138,6 +138,10 @@ def test_a_model_with_sliding_window_layers_is_refused_at_start_with_the_flag_to
                             "layer_types": ["full_attention", "sliding_attention"]})
     with pytest.raises(ConfigError, match="sliding_attention layers: use --rollout hf"):
         train.build_engine(Config(), Qwen2ForCausalLM(config), "unused", tokenizer)
+    # Mistral's config has no layer_types: its sliding_window (Mistral-7B-v0.1's 4096) is every layer's
+    mistral = MistralConfig(**{k: v for k, v in config.to_dict().items() if k not in ("layer_types", "model_type")})
+    with pytest.raises(ConfigError, match="sliding_attention layers: use --rollout hf"):
+        train.build_engine(Config(), MistralForCausalLM(mistral), "unused", tokenizer)
     del model.config.layer_types  # configs of models without the field (full attention only) are decoded
     assert isinstance(train.build_engine(Config(), model, "unused", tokenizer), FastHFRollout)
 
