@@ -13,8 +13,8 @@ logits are the model's) and replaces those three through transformers' extension
   sized once for the rollout, handed back as views; rows that stop are compacted out of it;
 - `gqa_sdpa_attention`, registered with `AttentionInterface` as "vcppo_gqa_sdpa": SDPA with the
   key/value heads shared by their query group, never copied;
-- the padding masks are built once per rollout and passed as the model's per-layer-type mask
-  mapping (the form `generate` uses), so no step rebuilds them.
+- the padding masks are built once per rollout and passed to the model as 4D masks, which every
+  model's mask builder (`create_causal_mask`) takes as they are, so no step rebuilds them.
 Sampling is `generate`'s: temperature, then top-p (as `TopPLogitsWarper`), then a multinomial
 draw; temperature 0 is greedy. It draws from its own generator seeded with the seed, so the same
 seed gives the same batch and the global RNG is left alone; under torchrun each rank draws from
@@ -171,9 +171,11 @@ class Decoder:
         self.key_bias, self.positions, self.logits = self.key_bias[index], self.positions[index], self.logits[index]
 
     def _forward(self, ids, mask, positions) -> torch.Tensor:
-        # The mask is passed per layer type, so the model uses it as it is instead of building one.
+        # A 4D mask, which `create_causal_mask` hands back as it is. Not the {layer type: mask}
+        # mapping `generate` passes: only some models take one (Qwen2); others (Llama, Mistral) give
+        # it to `create_causal_mask`, which knows no mask for our attention and drops it, causal too.
         with attention_implementation(self.model, ATTENTION):
-            out = self.model(input_ids=ids, attention_mask={"full_attention": mask}, position_ids=positions,
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
                              past_key_values=self.cache, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1]
 
@@ -183,8 +185,11 @@ class FastHFRollout(HFRollout):
     docstring); rows that stop are dropped from the batch at once."""
 
     def __init__(self, model, tokenizer):
-        # The cache and the masks are full attention's; a model without layer_types has only those.
-        kinds = set(getattr(model.config, "layer_types", None) or ["full_attention"])
+        # The cache and the masks are full attention's. A model without layer_types has only those,
+        # unless its config sets a sliding window for every layer (Mistral-7B-v0.1, Phi-3-mini).
+        config = model.config
+        default = ["sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"]
+        kinds = set(getattr(config, "layer_types", None) or default)
         if kinds != {"full_attention"}:
             raise ValueError(f"--rollout hf-fast decodes full-attention layers only, and this model has "
                              f"{', '.join(sorted(kinds - {'full_attention'}))} layers: use --rollout hf")

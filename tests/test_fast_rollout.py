@@ -107,8 +107,28 @@ def test_samples_follow_the_distribution_of_generates():
         assert chi_square_p(fast, reference) > 1e-3
 
 
+def test_a_llama_decodes_with_its_causal_and_padding_masks_as_generate(policy):
+    """Llama (unlike Qwen2) builds its masks from whatever it is passed: given the {layer type: mask}
+    mapping, it found no mask function for the registered attention and attended to every position,
+    future and padding ones included (greedy tokens differed even for one unpadded prompt)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    _, tokenizer = policy
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(
+            vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=1, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id, bos_token_id=None)).eval()
+    prompts = [tokenizer(t)["input_ids"] for t in PROMPTS]
+    fast, reference = FastHFRollout(model, tokenizer).generate(prompts, 12, temperature=0), \
+        HFRollout(model, tokenizer).generate(prompts, 12, temperature=0)
+    assert torch.equal(fast.response_ids, reference.response_ids)
+    assert torch.allclose(fast.logprobs, reference.logprobs, atol=1e-5)
+
+
 def test_a_model_with_sliding_window_layers_is_refused_at_start_with_the_flag_to_use():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     import train
     from support.config import Config, ConfigError
@@ -118,6 +138,10 @@ def test_a_model_with_sliding_window_layers_is_refused_at_start_with_the_flag_to
                             "layer_types": ["full_attention", "sliding_attention"]})
     with pytest.raises(ConfigError, match="sliding_attention layers: use --rollout hf"):
         train.build_engine(Config(), Qwen2ForCausalLM(config), "unused", tokenizer)
+    # Mistral's config has no layer_types: its sliding_window (Mistral-7B-v0.1's 4096) is every layer's
+    mistral = MistralConfig(**{k: v for k, v in config.to_dict().items() if k not in ("layer_types", "model_type")})
+    with pytest.raises(ConfigError, match="sliding_attention layers: use --rollout hf"):
+        train.build_engine(Config(), MistralForCausalLM(mistral), "unused", tokenizer)
     del model.config.layer_types  # configs of models without the field (full attention only) are decoded
     assert isinstance(train.build_engine(Config(), model, "unused", tokenizer), FastHFRollout)
 
