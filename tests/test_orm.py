@@ -109,7 +109,6 @@ def test_train_orm_rejects_mismatched_outcomes(tmp_path, one_thread):
         train_orm(model, [batch], [outcomes], steps=1, lr=1e-3, loss="MSE")
 
 
-
 def test_a_diverging_orm_stops_with_a_message_before_a_nan_step(tmp_path, one_thread):
     """At lr 1e25 the first step sends the ORM's outputs to NaN: the second step's loss is NaN, and
     training stops there instead of stepping every weight to NaN and going on (to be cached)."""
@@ -118,6 +117,7 @@ def test_a_diverging_orm_stops_with_a_message_before_a_nan_step(tmp_path, one_th
     with pytest.raises(FloatingPointError, match="ORM training step 1: gradient norm is nan"):
         train_orm(model, [b for b, _ in data], [y for _, y in data], steps=6, lr=1e25)
     assert all(torch.isfinite(p).all() for p in model.parameters())  # the NaN step was not taken
+
 
 class FixedGrader:
     """Returns the given outcomes whatever the texts."""
