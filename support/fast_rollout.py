@@ -155,7 +155,11 @@ class Decoder:
         causal = torch.full((P, P), float("-inf"), dtype=dtype, device=device).triu(1)
         positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
         self.cache = PreallocatedCache(model.config.num_hidden_layers, P + max_new_tokens)
-        self.logits = self._forward(prompt_ids, self.key_bias[..., :P] + causal, positions)  # [B, V]
+        prompt_bias = self.key_bias[..., :P] + causal
+        # A left pad's query row would mask every key, which some GPU SDPA kernels turn into NaN (0 on
+        # the CPU) that the next layers' values carry to every token: it sees itself, never read.
+        prompt_bias.diagonal(dim1=-2, dim2=-1).zero_()
+        self.logits = self._forward(prompt_ids, prompt_bias, positions)  # [B, V]
         self.positions = positions[:, -1:] + 1
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:

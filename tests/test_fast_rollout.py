@@ -107,6 +107,19 @@ def test_samples_follow_the_distribution_of_generates():
         assert chi_square_p(fast, reference) > 1e-3
 
 
+def test_no_query_of_a_left_padded_prompt_masks_every_key(policy, monkeypatch):
+    """A left pad's row of the prompt's mask was all -inf: SDPA gives 0 there on the CPU, but GPU
+    kernels have given NaN for such rows (pytorch/pytorch#110213), which the next layer's values then
+    carry to the real tokens. Checked on the mask, as the CPU cannot show the NaN."""
+    model, tokenizer = policy
+    masks, forward = [], Decoder._forward
+    monkeypatch.setattr(Decoder, "_forward", lambda self, ids, mask, pos: masks.append(mask) or forward(self, ids, mask, pos))
+    ids, mask = left_pad([tokenizer(t)["input_ids"] for t in PROMPTS], tokenizer.pad_token_id)
+    with torch.no_grad():
+        Decoder(model, ids, mask, max_new_tokens=2)
+    assert (mask == 0).any() and torch.isfinite(masks[0]).any(-1).all()
+
+
 def test_a_llama_decodes_with_its_causal_and_padding_masks_as_generate(policy):
     """Llama (unlike Qwen2) builds its masks from whatever it is passed: given the {layer type: mask}
     mapping, it found no mask function for the registered attention and attended to every position,
