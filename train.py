@@ -40,7 +40,7 @@ from support.masked import check_masked_inputs, masked_mean
 from ppo import aggregate_loss, entropy_from_logits, explained_variance, kl_penalty, policy_loss
 from ppo import response_logprobs, token_logprobs_and_entropy
 from ppo_update import assert_finite, masked_whiten, micro_batched_forward, update_model
-from rollout import HFRollout
+from rollout import HFRollout, RolloutBatch
 from sampling import Sampler, ScoredBatch
 from support.sft import ModelError, check_model, prepare_sft
 from support.vllm_rollout import VLLMRollout
@@ -62,8 +62,14 @@ def policy_forward(actor, batch, temperature: float, with_entropy: bool = False,
     inputs = batch.model_inputs() | {"logits_to_keep": T + 1, "use_cache": False}
     if chunk_tokens is not None:
         with head_gives_token_statistics(actor, batch.response_ids, temperature, chunk_tokens, with_entropy,
-                                         entropy_grad):
+                                         entropy_grad) as returned:
             statistics = actor(**inputs).logits
+        # A model that reworks the head's output into its logits (Gemma 2's soft-capping, Cohere's and
+        # Granite's scaling) would apply that to the log-probs, silently: only the head's own result will do.
+        if statistics is not returned[-1]:
+            raise ValueError(f"--logprob-chunk-tokens: {type(actor).__name__.removeprefix('FSDP')} changes its output "
+                             f"head's result into its logits (a scale or soft-cap), which the log-probs computed "
+                             f"in the head would go through; unset it")
         return statistics[..., 0] * batch.response_mask, statistics[..., 1] if with_entropy else None
     logits = actor(**inputs).logits[:, :-1]
     logprobs = response_logprobs(logits, batch.response_ids, temperature) * batch.response_mask
@@ -76,20 +82,36 @@ def policy_forward(actor, batch, temperature: float, with_entropy: bool = False,
 def head_gives_token_statistics(actor, response_ids, temperature, chunk_tokens, with_entropy, entropy_grad):
     """Inside, the actor's output head returns [B, T, 2] (each response token's log-prob, the
     entropy) from the hidden states it is given, instead of logits. It runs inside the model's
-    forward, where FSDP2 has gathered the head's weight (tied to the embedding) for it."""
+    forward, where FSDP2 has gathered the head's weight (tied to the embedding) for it. Yields the
+    list of what the head returned, for the caller to check that the model's logits are that tensor."""
     head = actor.get_output_embeddings()
     if getattr(head, "bias", None) is not None:
         raise ValueError("--logprob-chunk-tokens: the output head has a bias; only a plain projection is supported")
+    returned = []
 
     def statistics(hidden):  # hidden [B, T + 1, d]: the positions that predict response tokens, and the last
-        return token_logprobs_and_entropy(hidden[:, :-1], head.weight, response_ids, temperature,
-                                          chunk_tokens, with_entropy, entropy_grad)
+        returned.append(token_logprobs_and_entropy(hidden[:, :-1], head.weight, response_ids, temperature,
+                                                   chunk_tokens, with_entropy, entropy_grad))
+        return returned[-1]
 
     head.forward = statistics
     try:
-        yield
+        yield returned
     finally:
         del head.forward
+
+
+def check_logprob_chunks(actor, device) -> None:
+    """--logprob-chunk-tokens with an actor it cannot serve (a biased head, logits scaled or soft-capped
+    after the head) stops at start in one line, not at PPO's first step after hours of value
+    pretraining: one forward of one token, by every rank (a collective under FSDP)."""
+    one = torch.zeros(1, 1, dtype=torch.long, device=device)
+    try:
+        with torch.no_grad():
+            policy_forward(actor, RolloutBatch(one, one, one, one.float(), one.float(), ["length"]), 1.0,
+                           chunk_tokens=1)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def actor_loss(actor, micro, per_token, normalizer, cfg):
@@ -376,6 +398,8 @@ def run(cfg: Config, dist_info) -> dict:
     train_records, eval_records = prepare_data(cfg, tokenizer)
     grader = Grader(num_workers=cfg.grader_workers, timeout_s=cfg.grader_timeout_s)
     models = {"actor": load_actor(cfg, sft_path, dist_info)}
+    if cfg.logprob_chunk_tokens is not None:
+        check_logprob_chunks(models["actor"], dist_info.device)
     sampler = Sampler(cfg, build_engine(cfg, models["actor"], sft_path, tokenizer), tokenizer, grader)
     run_dir = rundir.prepare(cfg)
     evaluator = eval_sampler(sampler)

@@ -436,6 +436,27 @@ def test_a_logged_entropy_costs_no_softmax_backward(actor, scripted_batch, chunk
     assert logged[0.0] == pytest.approx(logged[0.1], rel=1e-6)
 
 
+def test_logprob_chunks_refuse_a_model_whose_logits_are_not_its_heads_output(actor, scripted_batch):
+    """--logprob-chunk-tokens computes the log-probs inside the output head: Gemma 2 soft-caps what the head
+    returns (Cohere and Granite scale it), which would silently bend the log-probs. Such a model stops at
+    start in one line; a plain head (the tiny Qwen2) passes and gives the whole logits' log-probs."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from support.config import ConfigError
+
+    capped = Gemma2ForCausalLM(Gemma2Config(vocab_size=actor.config.vocab_size, hidden_size=64, intermediate_size=64,
+                                            num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1,
+                                            head_dim=64, final_logit_softcapping=1.0)).eval()
+    with torch.no_grad(), pytest.raises(ValueError, match="--logprob-chunk-tokens: Gemma2ForCausalLM changes"):
+        train.policy_forward(capped, scripted_batch, 1.0, chunk_tokens=4)
+    with pytest.raises(ConfigError, match="--logprob-chunk-tokens: Gemma2ForCausalLM changes its output head's"):
+        train.check_logprob_chunks(capped, torch.device("cpu"))
+    train.check_logprob_chunks(actor, torch.device("cpu"))
+    with torch.no_grad():
+        torch.testing.assert_close(train.policy_forward(actor, scripted_batch, 1.0, chunk_tokens=4)[0],
+                                   train.policy_forward(actor, scripted_batch, 1.0)[0], atol=1e-5, rtol=1e-5)
+
+
 # --- value pretraining (§3.2) ----------------------------------------------------------------
 
 
