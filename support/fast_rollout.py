@@ -184,6 +184,29 @@ class Decoder:
         return out.logits[:, -1]
 
 
+@torch.no_grad()
+def attention_gets_the_mask(model) -> bool:
+    """Whether every attention layer of `model` is handed a 4D mask as it is given, as transformers'
+    mask builder (`create_causal_mask`) does. A model whose forward builds a mask of its own, or
+    attends by a function of its own (remote code), would sample from other logits than its own, in
+    silence. One forward of one token, its attention watched (on every rank, as FSDP needs)."""
+    param = next(model.parameters())
+    mask, seen = torch.zeros(1, 1, 1, 1, dtype=param.dtype, device=param.device), []
+
+    def watched(module, query, key, value, attention_mask, *args, **kwargs):
+        seen.append(attention_mask is mask)
+        return gqa_sdpa_attention(module, query, key, value, attention_mask, *args, **kwargs)
+
+    AttentionInterface.register(ATTENTION + "_watched", watched)
+    try:
+        with attention_implementation(model, ATTENTION + "_watched"):
+            model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=param.device), attention_mask=mask,
+                  use_cache=False)
+    except (AttributeError, TypeError, ValueError, RuntimeError):  # a forward that takes no 4D mask
+        return False
+    return len(seen) == model.config.num_hidden_layers and all(seen)
+
+
 class FastHFRollout(HFRollout):
     """Sampling with the trained model itself, like `HFRollout`, through a `Decoder` (module
     docstring); rows that stop are dropped from the batch at once."""
@@ -197,6 +220,9 @@ class FastHFRollout(HFRollout):
         if kinds != {"full_attention"}:
             raise ValueError(f"--rollout hf-fast decodes full-attention layers only, and this model has "
                              f"{', '.join(sorted(kinds - {'full_attention'}))} layers: use --rollout hf")
+        if not attention_gets_the_mask(model):
+            raise ValueError(f"--rollout hf-fast hands its masks to the model's attention, and "
+                             f"{type(model).__name__.removeprefix('FSDP')} builds its own: use --rollout hf")
         super().__init__(model, tokenizer)
 
     @torch.no_grad()

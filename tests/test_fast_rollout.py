@@ -120,19 +120,23 @@ def test_no_query_of_a_left_padded_prompt_masks_every_key(policy, monkeypatch):
     assert (mask == 0).any() and torch.isfinite(masks[0]).any(-1).all()
 
 
-def test_a_llama_decodes_with_its_causal_and_padding_masks_as_generate(policy):
+@pytest.mark.parametrize("architecture", ["Llama", "GPT2"])
+def test_other_model_families_decode_with_their_causal_and_padding_masks_as_generate(policy, architecture):
     """Llama (unlike Qwen2) builds its masks from whatever it is passed: given the {layer type: mask}
     mapping, it found no mask function for the registered attention and attended to every position,
-    future and padding ones included (greedy tokens differed even for one unpadded prompt)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    future and padding ones included (greedy tokens differed even for one unpadded prompt); GPT-2
+    (learned positions) failed at the first step."""
+    import transformers
 
     _, tokenizer = policy
+    ids = dict(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+               bos_token_id=None)
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        model = LlamaForCausalLM(LlamaConfig(
-            vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-            num_attention_heads=2, num_key_value_heads=1, eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id, bos_token_id=None)).eval()
+        model = (transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+            **ids)) if architecture == "Llama" else
+            transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=64, n_layer=2, n_head=2, **ids))).eval()
     prompts = [tokenizer(t)["input_ids"] for t in PROMPTS]
     fast, reference = FastHFRollout(model, tokenizer).generate(prompts, 12, temperature=0), \
         HFRollout(model, tokenizer).generate(prompts, 12, temperature=0)
@@ -140,8 +144,27 @@ def test_a_llama_decodes_with_its_causal_and_padding_masks_as_generate(policy):
     assert torch.allclose(fast.logprobs, reference.logprobs, atol=1e-5)
 
 
+def test_a_model_that_builds_its_own_masks_is_refused_at_start_with_the_flag_to_use(policy):
+    """A forward (remote code, say) that makes its own mask instead of the one hf-fast gives it would
+    sample from other logits than the model's, in silence: one watched forward at start refuses it."""
+    import train
+    from support.config import Config, ConfigError
+
+    model, tokenizer = policy
+
+    class OwnMasks(type(model)):
+        def forward(self, *args, attention_mask=None, **kwargs):
+            return super().forward(*args, attention_mask=None, **kwargs)
+
+    own = OwnMasks(model.config).eval()
+    with pytest.raises(ConfigError, match="OwnMasks builds its own: use --rollout hf"):
+        train.build_engine(Config(), own, "unused", tokenizer)
+    assert isinstance(train.build_engine(Config(rollout="hf"), own, "unused", tokenizer), HFRollout)
+
+
 def test_a_model_with_sliding_window_layers_is_refused_at_start_with_the_flag_to_use():
-    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM)
 
     import train
     from support.config import Config, ConfigError
@@ -155,8 +178,11 @@ def test_a_model_with_sliding_window_layers_is_refused_at_start_with_the_flag_to
     mistral = MistralConfig(**{k: v for k, v in config.to_dict().items() if k not in ("layer_types", "model_type")})
     with pytest.raises(ConfigError, match="sliding_attention layers: use --rollout hf"):
         train.build_engine(Config(), MistralForCausalLM(mistral), "unused", tokenizer)
-    del model.config.layer_types  # configs of models without the field (full attention only) are decoded
-    assert isinstance(train.build_engine(Config(), model, "unused", tokenizer), FastHFRollout)
+    # A config without the field nor a window (Llama's) has full attention only: decoded
+    llama = LlamaConfig(**{k: v for k, v in config.to_dict().items()
+                           if k not in ("layer_types", "model_type", "sliding_window", "use_sliding_window")})
+    assert not hasattr(llama, "layer_types")
+    assert isinstance(train.build_engine(Config(), LlamaForCausalLM(llama), "unused", tokenizer), FastHFRollout)
 
 
 @pytest.mark.parametrize("engine", [HFRollout, FastHFRollout])
