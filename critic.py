@@ -38,6 +38,14 @@ def fresh_head_seed(run_seed: int) -> int:
     return stream_seed(run_seed, "critic/head", 0)
 
 
+VALUE_HEADS = ("score", "classifier")  # the token-classification head's name: Qwen2's, Llama's; GPT-2's, GPT-NeoX's
+
+
+def value_head(model) -> torch.nn.Module:
+    """The scalar head of a value model, by the name its family gives it (VALUE_HEADS)."""
+    return next(getattr(model, name) for name in VALUE_HEADS if hasattr(model, name))
+
+
 def load_value_model(path: str, head_init_std: float = 0.02, seed: int = 0, device=None, **shard_options):
     """A backbone + scalar head from `path`, in fp32 (`checkpoints.load_pretrained`: sharded by
     `shard_model(model, **shard_options)` under torchrun, without a whole model on any rank).
@@ -51,16 +59,17 @@ def load_value_model(path: str, head_init_std: float = 0.02, seed: int = 0, devi
     has_head = any("TokenClassification" in a for a in (config.architectures or []))
     config.num_labels = 1
     config.classifier_dropout = 0.0  # a regression head; dropout would only add noise to V
-    head = ("score.weight", "score.bias")
-    model = load_pretrained(AutoModelForTokenClassification, path, config, fresh=() if has_head else head,
-                            device=device, **shard_options)
-    if not has_head and is_main():  # expected, and said in one line (transformers' report is held back)
-        tqdm.write(f"critic: a fresh value head (score.weight, score.bias) on the backbone of {path}")
+    fresh = () if has_head else tuple(f"{name}.{p}" for name in VALUE_HEADS for p in ("weight", "bias"))
+    model = load_pretrained(AutoModelForTokenClassification, path, config, fresh=fresh, device=device,
+                            **shard_options)
     if not has_head:
-        weight = torch.empty(model.score.weight.shape).normal_(0.0, head_init_std,
-                                                               generator=torch.Generator().manual_seed(seed))
-        copy_local_rows(model.score.weight, weight)
-        copy_local_rows(model.score.bias, torch.zeros(model.score.bias.shape))
+        name = next(name for name in VALUE_HEADS if hasattr(model, name))
+        if is_main():  # expected, and said in one line (transformers' report is held back)
+            tqdm.write(f"critic: a fresh value head ({name}.weight, {name}.bias) on the backbone of {path}")
+        head = value_head(model)
+        weight = torch.empty(head.weight.shape).normal_(0.0, head_init_std, generator=torch.Generator().manual_seed(seed))
+        copy_local_rows(head.weight, weight)
+        copy_local_rows(head.bias, torch.zeros(head.bias.shape))
     return model
 
 
@@ -70,7 +79,7 @@ def shift_values(model, offset: float):
     `--critic-init-offset`, the critic's initial error set by hand (§3.1). Each rank adds it to its
     own rows of the (possibly sharded) bias. Returns `model`."""
     if offset:
-        bias = model.score.bias
+        bias = value_head(model).bias
         (bias.to_local() if hasattr(bias, "to_local") else bias).add_(offset)
     return model
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from support import task
-from critic import load_value_model, response_values, value_outputs
+from critic import load_value_model, response_values, shift_values, value_outputs
 from support.checkpoints import CheckpointError
 from ppo import response_logprobs
 from ppo_update import assert_finite
@@ -110,6 +110,21 @@ def test_critic_from_sft_gets_a_fresh_small_head_and_round_trips(policy, tmp_pat
     critic.save_pretrained(tmp_path)
     again = load_value_model(str(tmp_path))  # a saved value model keeps its head
     assert torch.equal(again.score.weight, critic.score.weight)
+
+
+def test_a_gpt2_backbone_gets_its_fresh_head_under_its_own_name(policy, tmp_path, capsys):
+    """GPT-2's and GPT-NeoX's token-classification head is `classifier`, not `score`: a critic on
+    their backbone stopped with 'no tensor classifier.bias in the checkpoint', as if it were damaged."""
+    import transformers
+
+    _, tokenizer, _ = policy
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1,
+                                                         n_head=2)).save_pretrained(tmp_path)
+    critic = shift_values(load_value_model(str(tmp_path), seed=3), 0.5)
+    assert "a fresh value head (classifier.weight, classifier.bias)" in capsys.readouterr().out
+    assert (critic.classifier.bias == 0.5).all() and 0 < critic.classifier.weight.std() < 0.03
+    ids = torch.tensor([[5, 6, 7]])
+    assert value_outputs(critic, ids, torch.ones_like(ids), torch.arange(3)[None]).shape == (1, 3)
 
 
 def test_assert_finite_names_the_bad_parameter(policy):
