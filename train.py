@@ -40,7 +40,7 @@ from support.masked import check_masked_inputs, masked_mean
 from ppo import aggregate_loss, entropy_from_logits, explained_variance, kl_penalty, policy_loss
 from ppo import response_logprobs, token_logprobs_and_entropy
 from ppo_update import assert_finite, masked_whiten, micro_batched_forward, update_model
-from rollout import HFRollout, RolloutBatch
+from rollout import HFRollout, RolloutBatch, stop_and_pad_ids
 from sampling import Sampler, ScoredBatch
 from support.sft import ModelError, check_model, prepare_sft
 from support.vllm_rollout import VLLMRollout
@@ -395,6 +395,10 @@ def run(cfg: Config, dist_info) -> dict:
     # The stages before PPO, each cached (rundir.build_once): pi_SFT, the ORM, value pretraining.
     sft_path = prepare_sft(cfg)
     tokenizer = AutoTokenizer.from_pretrained(sft_path)
+    try:  # no EOS or pad token: said before the data is read and the actor loaded (minutes at 32B)
+        stop_and_pad_ids(tokenizer, None)
+    except ValueError as err:
+        raise ConfigError(f"--model {sft_path}: {err}" if cfg.model else str(err)) from None
     train_records, eval_records = prepare_data(cfg, tokenizer)
     grader = Grader(num_workers=cfg.grader_workers, timeout_s=cfg.grader_timeout_s)
     models = {"actor": load_actor(cfg, sft_path, dist_info)}

@@ -279,6 +279,16 @@ def test_a_bad_model_directory_stops_with_one_line_naming_it(out_dir, sft, tmp_p
     assert not (out_dir / "badmodel").exists()
 
 
+def test_a_tokenizer_without_a_pad_token_is_refused_before_the_actor_loads(out_dir, sft, tmp_path, monkeypatch):
+    """The refusal came when the rollout engine was built: after the data was read and the actor
+    loaded, minutes at 32B."""
+    from support import checkpoints
+
+    path = bad_models(sft, tmp_path)["the tokenizer has no pad_token \\(Llama's has no pad token\\)"]
+    monkeypatch.setattr(checkpoints, "load_pretrained", lambda *a, **k: pytest.fail("the actor was loaded"))
+    refused(out_dir, "--run-name", "badmodel", "--model", path, *QUICK, match="the tokenizer has no pad_token")
+
+
 def test_pytorch_model_bin_weights_are_checked_like_safetensors(sft, tmp_path):
     path = tmp_path / "bin"
     shutil.copytree(sft, path)
