@@ -194,6 +194,15 @@ def test_preference_pairs_are_right_over_wrong_responses_to_one_prompt():
     assert list(zip(winners.tolist(), losers.tolist())) == [(0, 1), (0, 2), (4, 3), (5, 3)]
 
 
+def test_a_response_cut_with_truncation_reward_zero_is_a_loser_never_a_winner():
+    """--truncation-reward 0 gives a cut response the outcome 0: not right, so the Bradley-Terry ORM
+    must rank it below a right one and never above a wrong one (a pair needs outcome > 0 >= outcome)."""
+    from critic import preference_pairs
+
+    winners, losers = preference_pairs(torch.tensor([1.0, 0.0, -1.0, 0.0]), group=4)
+    assert list(zip(winners.tolist(), losers.tolist())) == [(0, 1), (0, 2), (0, 3)]
+
+
 def test_bradley_terry_ranks_right_above_wrong_and_trains_only_score_differences(tmp_path, one_thread):
     from critic import orm_quality, roc_auc
 

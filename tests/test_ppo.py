@@ -278,6 +278,15 @@ def test_check_masked_inputs_accepts_bool_masks_and_non_prefix_masks_unless_righ
     check_masked_inputs(torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]]), right_padded=True)
 
 
+@pytest.mark.parametrize("outside", [2.0, -1.0])
+def test_a_mask_whose_entries_outside_0_1_cancel_the_others_is_not_binary(outside):
+    """The binary test sums m (1 - m), which is > 0 strictly inside (0, 1) but < 0 outside [0, 1]:
+    a 2 (or a -1) gives -2, eight 0.5s give +2, and the sum is 0. Only the range check rejects it."""
+    mask = torch.tensor([[outside] + [0.5] * 8])
+    with pytest.raises(ValueError, match="mask must be binary"):
+        check_masked_inputs(mask)
+
+
 
 def ragged_rollout(seed=0):
     """A tiny random policy and a RolloutBatch of ragged prompts and responses (random tokens)."""

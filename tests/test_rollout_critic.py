@@ -278,3 +278,27 @@ def test_scoring_and_training_forwards_build_no_kv_cache(policy):
         for hook in hooks:
             hook.remove()
     assert len(caches) == 3 and all(cache is None for cache in caches)
+
+
+def _cut_short(batch, tokenizer, lengths=(3, None, 5)):
+    """Rows of `batch` cut to `lengths` (None: as generated): a random model rarely says EOS, so a
+    generated batch may hold no padding at all."""
+    for row, length in enumerate(lengths):
+        if length is not None:
+            batch.response_mask[row, length:] = 0
+            batch.response_ids[row, length:] = tokenizer.pad_token_id
+    return batch
+
+
+def test_critic_values_are_exactly_zero_on_the_padding_of_shorter_responses(policy):
+    """response_values promises V = 0 on padding (the old values PPO stores and clips around); the
+    head's outputs there are not 0, so only the response mask makes them so."""
+    model, tokenizer, path = policy
+    batch = _cut_short(HFRollout(model, tokenizer).generate(prompts(tokenizer), max_new_tokens=8, seed=0), tokenizer)
+    critic = load_value_model(path)
+    padding = batch.response_mask == 0
+    with torch.no_grad():
+        values = response_values(critic, batch)
+        raw = batch.response_slice(value_outputs(critic, **batch.model_inputs()))
+    assert padding.sum() >= 8 and (raw[padding] != 0).all()  # the test has padding the head does not zero
+    assert torch.equal(values[padding], torch.zeros_like(values[padding]))
