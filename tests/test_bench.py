@@ -1,11 +1,12 @@
 """The benchmarks' own code, run on the CPU: bench/mfu_bench.py's dry run and its FLOP count, and
 bench/rollout_bench.py's profile, bench/sdpa_shapes_bench.py, and bench/gpu_smoke.sh's check of its part
-names."""
+names, its summary of a skipped part and its time limit on a command's children."""
 
 import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -224,3 +225,42 @@ def test_sdpa_shapes_bench_times_new_and_seen_shapes_under_each_backend_set(caps
         assert len(set(first)) == 3 and warm_up not in first
         timed += first
     assert len(set(timed)) == len(timed)  # no set meets a shape another set has met
+
+
+def test_gpu_smoke_reports_a_skipped_part_as_skipped_not_as_passed():
+    """Part 4 without vLLM (the dry run leaves it out, as a GPU machine without vLLM does) runs nothing:
+    the summary says so, rather than 'ok' and 'all checks passed' as if vLLM had been checked."""
+    env = dict(os.environ, GPU_SMOKE_PARTS="4", GPU_SMOKE_DRY_RUN="1", PYTHON=sys.executable)
+    done = subprocess.run(["bash", str(ROOT / "bench" / "gpu_smoke.sh")], env=env, capture_output=True, text=True,
+                          timeout=300, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stdout + done.stderr
+    summary = done.stdout.split("== summary")[1].splitlines()
+    assert summary[1].startswith("  part 4: skipped (the dry run leaves vLLM out")
+    assert summary[2] == "gpu_smoke: all checks passed, but for the skipped part(s) 4 (dry run on the CPU)"
+
+
+def test_gpu_smoke_stops_a_commands_children_at_the_parts_time_limit(tmp_path):
+    """A part's command that has started a process of its own (rollout_bench's engine child, the
+    graders of train.py) is stopped with it at the limit: the child does not run on under the next
+    part (nor hold the script's output open after it ends). Here each bench command is a stand-in
+    that starts a long sleep and waits for it; GPU_SMOKE_LIMIT_S makes the limit 3 s."""
+    pid_file = tmp_path / "child.pid"
+    stand_in = tmp_path / "python"
+    stand_in.write_text(f"""#!/usr/bin/env bash
+case "$1" in
+  bench/*.py) sleep 300 > /dev/null 2>&1 & echo $! > {pid_file}; wait ;;
+  *) exec {sys.executable} "$@" ;;
+esac
+""")
+    stand_in.chmod(0o755)
+    env = dict(os.environ, GPU_SMOKE_PARTS="0", GPU_SMOKE_DRY_RUN="1", GPU_SMOKE_LIMIT_S="3", PYTHON=str(stand_in))
+    try:
+        done = subprocess.run(["bash", str(ROOT / "bench" / "gpu_smoke.sh")], env=env, capture_output=True,
+                              text=True, timeout=300, stdin=subprocess.DEVNULL)  # no terminal, as on the device
+        assert "part 0: FAILED (exit 124, over its time limit)" in done.stdout and done.returncode == 1
+        time.sleep(0.5)
+        child = Path(f"/proc/{pid_file.read_text().strip()}/status")
+        assert not child.exists() or "zombie" in child.read_text(), "the command's child outlived the time limit"
+    finally:
+        if pid_file.exists() and Path(f"/proc/{pid_file.read_text().strip()}").exists():
+            os.kill(int(pid_file.read_text()), 9)
