@@ -240,7 +240,7 @@ for r in rows: print({k: round(v, 2) for k, v in r.items() if k.startswith("timi
 # Limits in seconds, then the parts in the order asked for. A part runs in a subshell with -e, so its
 # first failing command ends that part and no other.
 # GPU_SMOKE_LIMIT_S sets every part's limit at once.
-declare -A LIMITS=([0]=120 [1]=180 [2]=180 [3]=240 [4]=300 [5]=60 [6]=180 [7]=300)
+declare -A LIMITS=([0]=120 [1]=180 [2]=180 [3]=240 [4]=300 [5]=60 [6]=180 [7]=420)
 if [ -n "${GPU_SMOKE_LIMIT_S:-}" ]; then
   [[ "$GPU_SMOKE_LIMIT_S" =~ ^[1-9][0-9]*$ ]] || { echo "error: GPU_SMOKE_LIMIT_S: seconds, a whole number > 0"; exit 2; }
   for part in "${!LIMITS[@]}"; do LIMITS[$part]=$GPU_SMOKE_LIMIT_S; done
