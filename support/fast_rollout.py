@@ -184,17 +184,23 @@ class Decoder:
         return out.logits[:, -1]
 
 
+MARK = -1.0  # attention_gets_the_mask's mask: exact in bf16, and neither 0 nor -inf
+
+
 @torch.no_grad()
 def attention_gets_the_mask(model) -> bool:
     """Whether every attention layer of `model` is handed a 4D mask as it is given, as transformers'
     mask builder (`create_causal_mask`) does. A model whose forward builds a mask of its own, or
     attends by a function of its own (remote code), would sample from other logits than its own, in
-    silence. One forward of one token, its attention watched (on every rank, as FSDP needs)."""
+    silence. One forward of one token, its attention watched (on every rank, as FSDP needs).
+    The mask holds a mark no mask builder makes (one key: softmax ignores it), checked by value, not
+    identity: FSDP2 hands the model a copy, cast to bf16 (mixed precision) or moved to the GPU (offload)."""
     param = next(model.parameters())
-    mask, seen = torch.zeros(1, 1, 1, 1, dtype=param.dtype, device=param.device), []
+    mask, seen = torch.full((1, 1, 1, 1), MARK, dtype=param.dtype, device=param.device), []
 
     def watched(module, query, key, value, attention_mask, *args, **kwargs):
-        seen.append(attention_mask is mask)
+        seen.append(torch.is_tensor(attention_mask) and attention_mask.shape == mask.shape
+                    and bool((attention_mask == MARK).all()))
         return gqa_sdpa_attention(module, query, key, value, attention_mask, *args, **kwargs)
 
     AttentionInterface.register(ATTENTION + "_watched", watched)

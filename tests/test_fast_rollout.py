@@ -3,6 +3,7 @@ distribution, and its batches keep HFRollout's layout, log-probs and seeded repl
 
 import math
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -160,6 +161,39 @@ def test_a_model_that_builds_its_own_masks_is_refused_at_start_with_the_flag_to_
     with pytest.raises(ConfigError, match="OwnMasks builds its own: use --rollout hf"):
         train.build_engine(Config(), own, "unused", tokenizer)
     assert isinstance(train.build_engine(Config(rollout="hf"), own, "unused", tokenizer), HFRollout)
+
+
+FSDP2_MIXED_PRECISION = """
+import sys, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from support import task
+from support.fast_rollout import FastHFRollout
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+tokenizer = task.build_tokenizer()
+model = task.make_tiny_model(tokenizer, num_layers=2, intermediate_size=256, seed=0).eval()
+options = dict(mesh=init_device_mesh("cpu", (1,)), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+for layer in model.model.layers:
+    fully_shard(layer, **options)
+fully_shard(model, **options)
+batch = FastHFRollout(model, tokenizer).generate([tokenizer("+21=\\n")["input_ids"]], 4, temperature=0)
+print("decoded", batch.response_ids.shape[1])
+"""
+
+
+@pytest.mark.slow
+def test_fsdp2_mixed_precision_is_decoded_not_refused(tmp_path):
+    """FSDP2 with mixed precision (the GPU presets' setting) casts the forward's floating inputs to bf16:
+    the attention is handed a copy of the start-up probe's mask, not the mask itself, which an identity
+    check took for a model that builds its own masks, refusing hf-fast under every such torchrun."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(Path(task.__file__).parents[1]), "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, "-c", FSDP2_MIXED_PRECISION, str(tmp_path / "store")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "decoded" in done.stdout, done.stderr[-2000:]
 
 
 def test_a_model_with_sliding_window_layers_is_refused_at_start_with_the_flag_to_use():
