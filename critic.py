@@ -41,9 +41,9 @@ def fresh_head_seed(run_seed: int) -> int:
 VALUE_HEADS = ("score", "classifier")  # the token-classification head's name: Qwen2's, Llama's; GPT-2's, GPT-NeoX's
 
 
-def value_head(model) -> torch.nn.Module:
-    """The scalar head of a value model, by the name its family gives it (VALUE_HEADS)."""
-    return next(getattr(model, name) for name in VALUE_HEADS if hasattr(model, name))
+def value_head_name(model) -> str:
+    """The name of a value model's scalar head, the one of VALUE_HEADS its family gives it."""
+    return next(name for name in VALUE_HEADS if hasattr(model, name))
 
 
 def load_value_model(path: str, head_init_std: float = 0.02, seed: int = 0, device=None, **shard_options):
@@ -63,10 +63,10 @@ def load_value_model(path: str, head_init_std: float = 0.02, seed: int = 0, devi
     model = load_pretrained(AutoModelForTokenClassification, path, config, fresh=fresh, device=device,
                             **shard_options)
     if not has_head:
-        name = next(name for name in VALUE_HEADS if hasattr(model, name))
+        name = value_head_name(model)
         if is_main():  # expected, and said in one line (transformers' report is held back)
             tqdm.write(f"critic: a fresh value head ({name}.weight, {name}.bias) on the backbone of {path}")
-        head = value_head(model)
+        head = getattr(model, name)
         weight = torch.empty(head.weight.shape).normal_(0.0, head_init_std, generator=torch.Generator().manual_seed(seed))
         copy_local_rows(head.weight, weight)
         copy_local_rows(head.bias, torch.zeros(head.bias.shape))
@@ -79,7 +79,7 @@ def shift_values(model, offset: float):
     `--critic-init-offset`, the critic's initial error set by hand (§3.1). Each rank adds it to its
     own rows of the (possibly sharded) bias. Returns `model`."""
     if offset:
-        bias = value_head(model).bias
+        bias = getattr(model, value_head_name(model)).bias
         (bias.to_local() if hasattr(bias, "to_local") else bias).add_(offset)
     return model
 

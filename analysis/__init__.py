@@ -22,8 +22,7 @@ def run_cli(main, args_type, description: str, with_train_flags: bool = False):
         print("interrupted; the same command reuses what finished", file=sys.stderr)
         sys.exit(130)
     except BaseException as err:
-        from support.preemption import Preempted  # not at the top: it imports torch, which some scripts need not
-
-        if isinstance(err, Preempted):  # a grid stopped on a signal; its line is printed
+        preemption = sys.modules.get("support.preemption")  # imported by whatever can raise Preempted
+        if preemption and isinstance(err, preemption.Preempted):  # a grid stopped on a signal; its line is printed
             sys.exit(err.exit_code)
         raise

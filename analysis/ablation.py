@@ -239,9 +239,10 @@ def run_grid(runs: list[Run], jobs: int) -> tuple[float, list[Run]]:
                 failed.extend([run] if code else [])
                 bar.update()
                 tqdm.write(f"{run.dir.name}: {'done' if code == 0 else f'FAILED (exit {code})'} in {wall:.0f} s")
-        except preemption.Preempted as stopped:
-            children.stop(stopped.signum)
+        except preemption.Preempted as signalled:
+            children.stop(signalled.signum)
             pool.shutdown(cancel_futures=True)  # waits for the runs under way to save
+            bar.close()
             raise
     bar.close()
     return time.time() - start, failed
