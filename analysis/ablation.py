@@ -206,7 +206,8 @@ def run_grid(runs: list[Run], jobs: int) -> tuple[float, list[Run]]:
     failed, start = [], time.time()
     if not todo:
         return 0.0, failed
-    build_missing_sft([r.config for r in todo])
+    with preemption.handled(lambda: "pi_SFT was not finished; the same command trains it again"):
+        build_missing_sft([r.config for r in todo])
     orm_of = {id(r): Path(orm_path(r.config)) for r in todo if r.config.critic_init == "rm" and r.config.estimator == "gae"}
     todo.sort(key=lambda r: id(r) not in orm_of)  # ORM builders first
     orm_builders = {}  # ORM path -> the run that builds it

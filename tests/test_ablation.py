@@ -296,6 +296,25 @@ def test_a_signal_to_the_grid_stops_the_run_under_way_and_starts_no_other(tmp_pa
     assert time.time() - start < 15
 
 
+def test_a_signal_while_the_grid_trains_pi_sft_stops_it_with_a_line(tmp_path, monkeypatch, capsys):
+    """pi_SFT trains in the grid's own process before any run: a scheduler's SIGTERM there ended the
+    script without a word."""
+    def interrupted_sft(cfg):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises here
+        pytest.fail("the signal did not stop pi_SFT's training")
+
+    monkeypatch.setattr(ablation, "prepare_sft", interrupted_sft)
+    runs = ablation.plan_runs(ablation.Args(out_dir=str(tmp_path), variants=("vc-ppo",), seeds=(0,)), [])
+    previous = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(RuntimeError("grid took no signal")))
+    try:
+        with pytest.raises(preemption.Preempted):
+            ablation.run_grid(runs, jobs=1)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert "SIGTERM: stopped. pi_SFT was not finished; the same command trains it again" in capsys.readouterr().out
+
+
 def test_ctrl_c_in_a_script_ends_with_a_line_and_exit_code_130_not_a_traceback(monkeypatch, capsys):
     def interrupted(args):
         raise KeyboardInterrupt
