@@ -1,0 +1,90 @@
+"""What keeps a run's work safe when it is cut short, checked where the end-to-end faults tests
+(test_faults.py) cannot reach: a kill at one exact instant of a save or a cached stage's build, and a
+signal repeated after the window in which it counts as the same request. In process, fast."""
+
+import json
+import os
+import signal
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from support import checkpoints
+from support import preemption
+from support import rundir
+from support.config import ConfigError
+from test_train import micro_config
+
+
+def test_a_signal_repeated_after_the_repeat_window_stops_at_once_and_one_within_it_does_not(monkeypatch):
+    """A second Ctrl-C or scancel after REPEAT_S is a user's "stop now, without a checkpoint": the
+    process must die of it, not wait for the step to end. Within REPEAT_S it is the first request
+    forwarded again (torchrun), and changes nothing."""
+    now, sent = [100.0], []
+    monkeypatch.setattr(preemption, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    monkeypatch.setattr(preemption, "os", SimpleNamespace(kill=lambda pid, signum: sent.append(signum),
+                                                          getpid=os.getpid))
+    with preemption.handled(lambda: ""), preemption.deferred():
+        preemption._handle(signal.SIGTERM, None)
+        now[0] += preemption.REPEAT_S / 2
+        preemption._handle(signal.SIGTERM, None)
+        assert sent == [] and preemption.requested()
+        now[0] += preemption.REPEAT_S
+        preemption._handle(signal.SIGTERM, None)
+        assert sent == [signal.SIGTERM]  # sent again to itself, with the default action: the process ends
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_a_stage_killed_before_its_settings_are_written_is_not_left_under_its_final_name(tmp_path, monkeypatch):
+    """A cached stage takes its final name only once its settings.json is in: a stage killed before
+    that, found under its final name, would be refused on every later run ("holds no settings.json")
+    instead of being built again."""
+    path, build = str(tmp_path / "stage"), lambda staging: Path(staging, "weights").write_text("w")
+
+    def killed(file, obj):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(rundir, "write_json", killed)
+    with pytest.raises(KeyboardInterrupt):
+        rundir.build_once(path, {"a": 1}, build, owner="r")
+    monkeypatch.undo()
+    assert not os.path.exists(path)
+    assert rundir.build_once(path, {"a": 1}, build, owner="r")  # the rerun builds it
+    assert json.loads(Path(path, rundir.STAGE_SETTINGS).read_text()) == {"a": 1}
+
+
+def test_a_save_after_one_killed_between_its_renames_keeps_that_checkpoint_as_the_one_before(tmp_path):
+    """A save killed after moving checkpoint/ to checkpoint.old/ but before renaming checkpoint.tmp/
+    leaves its newest checkpoint as checkpoint.tmp/ (which --resume restores). The next save must
+    keep it as checkpoint.old/, not delete it as an incomplete save's leftovers."""
+    model = torch.nn.Linear(2, 2)
+    models, optimizers = {"actor": model}, {"actor": torch.optim.Adam(model.parameters())}
+    path = str(tmp_path / "checkpoint")
+    for step in (2, 3):
+        checkpoints.save_checkpoint(path, models, optimizers, {"step": step})
+    os.replace(path, path + ".tmp")  # the save of step 3, killed between its two renames
+    checkpoints.save_checkpoint(path, models, optimizers, {"step": 4})
+    assert [checkpoints.checkpoint_extra(c)["step"] for c in checkpoints.saved_checkpoints(path)] == [4, 3]
+
+
+def test_a_first_save_killed_mid_write_is_no_checkpoint_to_resume_or_refuse_a_rerun_for(tmp_path):
+    """A run killed while writing its first checkpoint leaves an incomplete checkpoint.tmp/ (no
+    extra.pt, written last). That is not a checkpoint: its rerun without --resume starts, rather
+    than being told to --resume from it or --overwrite it."""
+    cfg = micro_config(tmp_path, "--run-name", "r")
+    run_dir = Path(rundir.prepare(cfg))
+    (run_dir / "checkpoint.tmp").mkdir()
+    (run_dir / "checkpoint.tmp" / "__0_0.distcp").write_bytes(b"\0" * 100)
+    assert checkpoints.saved_checkpoints(str(run_dir / "checkpoint")) == []
+    assert rundir.check(cfg) == str(run_dir)
+
+
+@pytest.mark.parametrize("flag, value", [("--kl-coef", "0.1"), ("--entropy-coef", "0.01"), ("--ppo-epochs", "2")])
+def test_a_rerun_that_changes_the_ppo_loss_is_refused(tmp_path, flag, value):
+    """Only the run's length and how it runs may change on a rerun or --resume (rundir.MAY_CHANGE):
+    a run whose loss changed mid-way would log the steps of two experiments as one."""
+    rundir.prepare(micro_config(tmp_path, "--run-name", "r"))
+    with pytest.raises(ConfigError, match=rf"r was made with other settings \({flag} "):
+        rundir.prepare(micro_config(tmp_path, "--run-name", "r", "--resume", flag, value))
