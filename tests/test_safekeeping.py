@@ -88,3 +88,28 @@ def test_a_rerun_that_changes_the_ppo_loss_is_refused(tmp_path, flag, value):
     rundir.prepare(micro_config(tmp_path, "--run-name", "r"))
     with pytest.raises(ConfigError, match=rf"r was made with other settings \({flag} "):
         rundir.prepare(micro_config(tmp_path, "--run-name", "r", "--resume", flag, value))
+
+
+def test_the_signal_handlers_of_the_caller_are_given_back_when_the_block_ends():
+    """A program that calls train.main (a sweep, a notebook) keeps its own handlers after it: one
+    left installed would turn the caller's next Ctrl-C into a Preempted raised far from any run."""
+    own = {s: (lambda signum, frame: None) for s in preemption.SIGNALS}
+    before = {s: signal.signal(s, handler) for s, handler in own.items()}
+    try:
+        with preemption.handled(lambda: ""):
+            assert all(signal.getsignal(s) is preemption._handle for s in own)
+        assert {s: signal.getsignal(s) for s in own} == own
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+
+
+def test_an_answer_of_true_or_false_is_a_bad_record_not_graded_as_the_text_true(tmp_path):
+    """JSON true is an int to Python's isinstance: kept, its gold answer would be "True", which no
+    response can match, so the record would only ever teach a reward of 0."""
+    from support.data import DataError, load_records
+    from test_data import GOOD, char_tokenizer, write_jsonl
+
+    path = write_jsonl(tmp_path / "d.jsonl", GOOD + [{"prompt": "is 2 even?", "answer": True}])
+    with pytest.raises(DataError, match=r"d\.jsonl:4: the answer in field 'answer' is a bool"):
+        load_records(path, char_tokenizer())
