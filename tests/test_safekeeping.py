@@ -113,3 +113,18 @@ def test_an_answer_of_true_or_false_is_a_bad_record_not_graded_as_the_text_true(
     path = write_jsonl(tmp_path / "d.jsonl", GOOD + [{"prompt": "is 2 even?", "answer": True}])
     with pytest.raises(DataError, match=r"d\.jsonl:4: the answer in field 'answer' is a bool"):
         load_records(path, char_tokenizer())
+
+
+def test_an_export_killed_mid_way_leaves_no_file_in_the_next_export(tmp_path):
+    """A killed export leaves actor_hf.tmp/; the next one must start it empty: a stale shard index
+    beside a one-file export sends every loader after shards that are not there."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    path = tmp_path / "actor_hf"
+    (tmp_path / "actor_hf.tmp").mkdir()
+    (tmp_path / "actor_hf.tmp" / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+    checkpoints.export_hf_checkpoint(model, None, str(path))
+    assert "model.safetensors.index.json" not in os.listdir(path)
+    assert LlamaForCausalLM.from_pretrained(path).model.embed_tokens.weight.equal(model.model.embed_tokens.weight)
