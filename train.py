@@ -292,6 +292,11 @@ def load_critic(cfg, path: str, dist_info):
                             **fsdp_utils.shard_options(cfg))
 
 
+def refusal(cfg, path: str, err: ValueError) -> ConfigError:
+    """A model or tokenizer the run cannot use, said at start in one line that names --model when given."""
+    return ConfigError(f"--model {path}: {err}" if cfg.model else str(err))
+
+
 def build_engine(cfg, actor, path: str, tokenizer):
     """The rollout backend: HF `generate` or the fast decode loop on the actor itself, or a colocated vLLM engine."""
     try:  # a model or tokenizer it cannot sample with: said at start, in one line
@@ -303,7 +308,7 @@ def build_engine(cfg, actor, path: str, tokenizer):
                            max_model_len=positions_needed(cfg), gpu_memory_utilization=cfg.gpu_memory_utilization,
                            seed=cfg.seed)
     except ValueError as err:
-        raise ConfigError(f"--model {path}: {err}" if cfg.model else str(err)) from None
+        raise refusal(cfg, path, err) from None
 
 
 def export_actor(cfg, actor, tokenizer, path: str) -> None:
@@ -398,7 +403,7 @@ def run(cfg: Config, dist_info) -> dict:
     try:  # no EOS or pad token: said before the data is read and the actor loaded (minutes at 32B)
         stop_and_pad_ids(tokenizer, None)
     except ValueError as err:
-        raise ConfigError(f"--model {sft_path}: {err}" if cfg.model else str(err)) from None
+        raise refusal(cfg, sft_path, err) from None
     train_records, eval_records = prepare_data(cfg, tokenizer)
     grader = Grader(num_workers=cfg.grader_workers, timeout_s=cfg.grader_timeout_s)
     models = {"actor": load_actor(cfg, sft_path, dist_info)}

@@ -174,7 +174,7 @@ class Children:
                 child.send_signal(signum)
 
 
-def execute(run: Run, threads: int, children: Children | None = None) -> tuple[Run, float, int]:
+def execute(run: Run, threads: int, children: Children) -> tuple[Run, float, int]:
     """train.py in a child process (log in <run>/train.log) with `threads` torch threads unless its
     flags set them; --resume continues a stopped run. Returns the child's exit code (-1: not
     started, the grid was stopped)."""
@@ -182,7 +182,7 @@ def execute(run: Run, threads: int, children: Children | None = None) -> tuple[R
     start = time.time()
     share = ["--threads", str(threads)] if run.config.threads is None else []
     with open(run.dir / "train.log", "a") as log:
-        child = (children or Children()).start(
+        child = children.start(
             [sys.executable, str(TRAIN), *run.flags, *share, "--resume"],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "TQDM_MININTERVAL": "30"})
         if child is None:
@@ -243,9 +243,9 @@ def run_grid(runs: list[Run], jobs: int) -> tuple[float, list[Run]]:
         except preemption.Preempted as signalled:
             children.stop(signalled.signum)
             pool.shutdown(cancel_futures=True)  # waits for the runs under way to save
-            bar.close()
             raise
-    bar.close()
+        finally:
+            bar.close()
     return time.time() - start, failed
 
 

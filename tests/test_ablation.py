@@ -253,8 +253,8 @@ def test_the_wall_time_of_a_resumed_run_adds_up_its_parts(tmp_path, monkeypatch)
     clock = iter([0.0, 2.0, 10.0, 10.5])
     monkeypatch.setattr(ablation.time, "time", lambda: next(clock))
     monkeypatch.setattr(ablation.subprocess, "Popen", lambda *args, **kwargs: FinishedChild())
-    ablation.execute(run, threads=1)
-    ablation.execute(run, threads=1)
+    ablation.execute(run, threads=1, children=ablation.Children())
+    ablation.execute(run, threads=1, children=ablation.Children())
     assert json.loads((run.dir / "ablation_run.json").read_text())["wall_s"] == 2.5
 
 
