@@ -158,7 +158,7 @@ class Config:
     `generate` on a CPU, slower on a GPU); hf, HF `generate` (what the runs of RESULTS.md used, and
     faster on a GPU); vllm, vLLM (the GPU presets)"""
     max_new_tokens: int = 400
-    """response length limit"""
+    """response length limit (the built-in model's prompt and response fit in its 1,024 positions)"""
     temperature: float = 1.0
     """sampling temperature (log-probs are recomputed at the same temperature)"""
     top_p: float = 1.0

@@ -467,6 +467,13 @@ def _built_in_task(cfg, tokenizer) -> tuple[list[dict], list[dict]]:
         if longest > cfg.max_prompt_tokens:  # none may be dropped: the task's sets are fixed by their seeds
             raise DataError(f"the built-in task's prompts take up to {longest} tokens, over --max-prompt-tokens "
                             f"{cfg.max_prompt_tokens}")
+    # The built-in model's positions past CONTEXT were never trained (RoPE runs on, without an error).
+    longest = max((len(r["prompt_ids"]) for split in records.values() for r in split), default=0)
+    new_tokens = max(cfg.max_new_tokens, cfg.eval_max_new_tokens or 0)
+    if cfg.model is None and longest + new_tokens > task.CONTEXT:
+        raise DataError(f"the built-in model holds {task.CONTEXT} positions, and the task's prompts (up to {longest} "
+                        f"tokens) + --max-new-tokens (or --eval-max-new-tokens) {new_tokens} ask for "
+                        f"{longest + new_tokens}; at most {task.CONTEXT - longest} new tokens")
     # Both sets are drawn from one pool: said, not hidden (a narrow --task-difficulty shrinks the pool).
     training = {r["prompt"] for r in records["train"]}
     if seen := sum(r["prompt"] in training for r in records["eval"]):

@@ -43,6 +43,7 @@ WIDTH = 4  # digits kept by default: the answer is x * 2^k mod 10**WIDTH
 LABELS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"  # doublings left, 1 to 52
 MAX_DIFFICULTY = len(LABELS)
 DEFAULT_DIFFICULTY = (1, 48)  # ~19 to ~350 response tokens
+CONTEXT = 1024  # positions of the built-in model (max_position_embeddings): prompt and response together
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ def make_tiny_model(
     num_heads: int = 2,
     num_kv_heads: int = 1,
     intermediate_size: int = 384,
-    max_position_embeddings: int = 1024,
+    max_position_embeddings: int = CONTEXT,
     seed: int = 0,
 ) -> Qwen2ForCausalLM:
     """A randomly initialised Qwen2 decoder sized for the task (head_dim 64: vLLM's CPU attention needs it)."""

@@ -532,6 +532,20 @@ def test_a_prompt_limit_below_the_built_in_tasks_prompts_is_refused():
         prepare_data(parse_config(["--max-prompt-tokens", "6"]), task.build_tokenizer())
 
 
+def test_responses_past_the_built_in_models_positions_are_refused():
+    """The built-in model has 1,024 positions; a longer response ran on into untrained ones in silence."""
+    from support.config import parse_config
+    from support.data import prepare_data
+    from support import task
+
+    tokenizer = task.build_tokenizer()
+    prepare_data(parse_config(["--max-new-tokens", "1014"]), tokenizer)  # + the longest prompt's 10 tokens: 1,024
+    for flag, asked in (("--max-new-tokens", 1025), ("--eval-max-new-tokens", 1110)):
+        with pytest.raises(DataError, match=rf"the built-in model holds 1024 positions, .* ask for {asked}; at most "
+                                            rf"1014 new tokens"):
+            prepare_data(parse_config([flag, str(asked - 10)]), tokenizer)
+
+
 def test_a_chat_template_that_refuses_the_messages_and_an_empty_user_turn_stop_in_one_line(tmp_path):
     """Gemma's template raises on a system turn, deep in jinja2; the record is named instead. A last
     user turn of whitespace is no prompt (an empty text prompt was refused already)."""
