@@ -41,7 +41,7 @@ trap 'rm -rf "$WORK"' EXIT
 
 if compgen -G "bench/wheels/*.whl" > /dev/null; then  # pure-Python wheels are zip files: unpacked, no pip
   for wheel in bench/wheels/*.whl; do "$PY" -m zipfile -e "$wheel" "$WORK/site"; done
-  export PYTHONPATH="$WORK/site"
+  export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}"  # the caller's own path kept, after the wheels
 fi
 # The project, and the helpers its checks share with bench/ and the multi-process tests.
 export PYTHONPATH="$PWD:$PWD/bench:$PWD/tests/dist_workers${PYTHONPATH:+:$PYTHONPATH}" VLLM_ENABLE_V1_MULTIPROCESSING=0
