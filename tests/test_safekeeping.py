@@ -128,3 +128,30 @@ def test_an_export_killed_mid_way_leaves_no_file_in_the_next_export(tmp_path):
     checkpoints.export_hf_checkpoint(model, None, str(path))
     assert "model.safetensors.index.json" not in os.listdir(path)
     assert LlamaForCausalLM.from_pretrained(path).model.embed_tokens.weight.equal(model.model.embed_tokens.weight)
+
+
+def test_the_run_lock_is_taken_on_the_file_left_at_its_path_and_its_directories_go_when_unused(tmp_path, monkeypatch):
+    """`rundir.locked`: a run that opened .lock just before its holder removed it (the holder's end)
+    must lock the file at the path, not the removed one, or a third run would run beside it. What the
+    lock made (the file, the out-dir's new directories) is gone after a run that wrote nothing there."""
+    import fcntl
+
+    cfg = micro_config(tmp_path / "new" / "root", "--run-name", "r")
+    run_dir = tmp_path / "new" / "root" / "r"
+    real_lockf, calls = fcntl.lockf, []
+
+    def holder_ends_first(fd, how):  # the file this run opened is unlinked before its lock is taken
+        calls.append(fd)
+        if len(calls) == 1:
+            os.unlink(run_dir / ".lock")
+        return real_lockf(fd, how)
+
+    monkeypatch.setattr(rundir.fcntl, "lockf", holder_ends_first)
+    with rundir.locked(cfg) as held:
+        assert held == str(run_dir) and len(calls) == 2  # taken again, on a new file
+        assert (run_dir / ".lock").read_text().split()[0] == str(os.getpid())
+    assert not (tmp_path / "new").exists()  # nothing was written: the out-dir is as it was
+
+    with rundir.locked(cfg):
+        (run_dir / "config.json").write_text("{}")
+    assert os.listdir(run_dir) == ["config.json"]  # the lock file goes, the run's outputs stay
