@@ -208,6 +208,8 @@ def attention_gets_the_mask(model) -> bool:
         with attention_implementation(model, ATTENTION + "_watched"):
             model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=param.device), attention_mask=mask,
                   use_cache=False)
+    except torch.OutOfMemoryError:  # a RuntimeError, but no verdict on the model: said as it is
+        raise
     except (AttributeError, TypeError, ValueError, RuntimeError):  # a forward that takes no 4D mask
         return False
     return len(seen) == model.config.num_hidden_layers and all(seen)

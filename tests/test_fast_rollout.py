@@ -163,6 +163,19 @@ def test_a_model_that_builds_its_own_masks_is_refused_at_start_with_the_flag_to_
     assert isinstance(train.build_engine(Config(rollout="hf"), own, "unused", tokenizer), HFRollout)
 
 
+def test_running_out_of_memory_in_the_start_up_probe_is_said_as_such(policy):
+    """An out-of-memory error is a RuntimeError, which the probe reads as a forward that takes no 4D
+    mask: it told the user to change the sampler, for a fault of memory."""
+    model, tokenizer = policy
+
+    class NoMemory(type(model)):
+        def forward(self, *args, **kwargs):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate"):
+        FastHFRollout(NoMemory(model.config).eval(), tokenizer)
+
+
 FSDP2_MIXED_PRECISION = """
 import sys, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
