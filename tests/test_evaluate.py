@@ -89,3 +89,54 @@ def test_evaluate_counts_a_positive_outcome_as_a_correct_sample():
     result = evaluate(GradedSampler({0: [1.0, 1.0], 1: [-1.0, 1.0], 2: [1.0, 1.0]}, samples=2), records, "test")
     assert result["pass@1"] == pytest.approx(5 / 6) and result["pass@2"] == pytest.approx(1.0)
     assert result["mean_length"] == pytest.approx(20.0)  # 10, 20, 30 tokens, two samples each
+
+
+def test_accuracy_and_length_are_reported_per_difficulty_over_each_records_own_samples():
+    """The built-in task's records carry a difficulty: each gets the accuracy and mean length of its
+    own records' samples (n per record), not of the first len(records) samples, and the mean length
+    is over every sample of the difficulty, right or wrong."""
+    from evaluate import summarize
+
+    records = [{"prompt": "a", "answer": "1", "difficulty": 3}, {"prompt": "b", "answer": "2", "difficulty": 1},
+               {"prompt": "c", "answer": "3", "difficulty": 3}]
+    # (record, correct, length, truncated, text), two samples per record
+    samples = [(0, True, 10, False, ""), (0, False, 20, False, ""), (1, False, 30, True, ""),
+               (1, False, 50, True, ""), (2, True, 4, False, ""), (2, True, 6, False, "")]
+    result = summarize(records, samples, n=2)
+    assert result["by_difficulty"] == {1: {"accuracy": 0.0, "mean_length": 40.0},
+                                       3: {"accuracy": 0.75, "mean_length": 10.0}}
+    assert list(result["by_difficulty"]) == [1, 3]  # sorted by difficulty
+
+
+def test_a_ranks_padding_samples_are_not_counted():
+    """Under torchrun a rank's share is padded with record 0 so that every rank makes as many generate
+    calls; those samples must be dropped, or record 0 is counted twice (here: on rank 1 of 2, whose
+    own record is record 1 only)."""
+    import evaluate as ev
+
+    records = [{"prompt": str(r), "prompt_ids": [r], "answer": str(r)} for r in range(3)]
+    sampler = GradedSampler({0: [1.0, 1.0], 1: [-1.0, 1.0], 2: [1.0, 1.0]}, samples=2)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ev, "rank", lambda: 1)
+        patch.setattr(ev, "world_size", lambda: 2)
+        result = ev.evaluate(sampler, records, "test")
+    assert result["pass@1"] == pytest.approx(0.5) and result["pass@2"] == pytest.approx(1.0)
+    assert result["mean_length"] == pytest.approx(20.0)  # record 1's samples only
+    assert [s["prompt"] for s in result["samples"]] == ["1", "1"]
+
+
+def test_each_chunk_of_held_out_samples_is_drawn_with_its_own_seed():
+    """Held-out prompts are sampled in chunks of a training rollout's size; a seed reused across
+    chunks would draw every chunk's samples from the same random numbers (correlated samples of
+    same-length prompts), so each chunk gets its own (deterministic) seed."""
+    records = [{"prompt": str(r), "prompt_ids": [r], "answer": str(r)} for r in range(3)]
+    sampler = GradedSampler({0: [1.0, 1.0], 1: [-1.0, 1.0], 2: [1.0, 1.0]}, samples=2)
+    sampler.cfg.prompts_per_step = 1  # a rollout of 2 rows: one chunk per record
+    seeds = []
+    sample_and_score = sampler.sample_and_score
+    sampler.sample_and_score = lambda part, seed: seeds.append(seed) or sample_and_score(part, seed)
+    first = evaluate(sampler, records, "test")
+    assert len(seeds) == 3 and len(set(seeds)) == 3
+    again = []
+    sampler.sample_and_score = lambda part, seed: again.append(seed) or sample_and_score(part, seed)
+    assert evaluate(sampler, records, "test") == first and again == seeds  # replayed exactly
