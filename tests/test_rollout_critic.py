@@ -112,6 +112,47 @@ def test_critic_from_sft_gets_a_fresh_small_head_and_round_trips(policy, tmp_pat
     assert torch.equal(again.score.weight, critic.score.weight)
 
 
+
+def test_trim_drops_only_padding_columns_and_keeps_every_real_token(policy):
+    """A micro-batch without the batch's longest prompt is trimmed to its own longest prompt: the
+    columns dropped are the left pads (prompts are left-padded), never a real prompt token, and the
+    outputs at every real response token stay those of the untrimmed rows."""
+    model, tokenizer, _ = policy
+    texts = prompts(tokenizer)
+    batch = HFRollout(model, tokenizer).generate(texts, max_new_tokens=8, temperature=0.7, seed=3)
+    rows = batch.select([0, 2])  # row 1 holds the longest prompt
+    trimmed = rows.trim()
+    assert trimmed.prompt_ids.shape[1] == max(len(texts[0]), len(texts[2])) < batch.prompt_ids.shape[1]
+    for b, r in enumerate([0, 2]):
+        real = trimmed.prompt_mask[b].bool()
+        assert trimmed.prompt_ids[b][real].tolist() == texts[r] and int(real.sum()) == len(texts[r])
+    with torch.no_grad():
+        before = rows.response_slice(model(**rows.model_inputs()).logits)
+        after = trimmed.response_slice(model(**trimmed.model_inputs()).logits)
+    T, real = trimmed.response_ids.shape[1], trimmed.response_mask.bool()
+    assert torch.allclose(after[real], before[:, :T][real], atol=1e-5)
+
+
+def test_positions_count_real_tokens_for_a_model_with_learned_positions():
+    """GPT-2 adds a learned embedding of each absolute position: a left-padded prompt must start at
+    position 0 (model_inputs counts real tokens, as `generate` does), or the recomputed log-probs of
+    every padded row differ from the sampling ones. RoPE models (the task's) only see position
+    differences, so they cannot tell."""
+    import transformers
+
+    tokenizer = task.build_tokenizer()
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_embd=64, n_layer=2, n_head=2, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id, bos_token_id=None)).eval()
+    batch = HFRollout(model, tokenizer).generate(prompts(tokenizer), max_new_tokens=12, temperature=0.7, seed=3)
+    assert (batch.prompt_mask == 0).any()
+    with torch.no_grad():
+        logits = batch.response_slice(model(**batch.model_inputs()).logits)
+    recomputed = response_logprobs(logits, batch.response_ids, temperature=0.7) * batch.response_mask
+    assert torch.allclose(recomputed, batch.logprobs, atol=1e-5)
+
 def test_a_gpt2_backbone_gets_its_fresh_head_under_its_own_name(policy, tmp_path, capsys):
     """GPT-2's and GPT-NeoX's token-classification head is `classifier`, not `score`: a critic on
     their backbone stopped with 'no tensor classifier.bias in the checkpoint', as if it were damaged."""
