@@ -289,3 +289,38 @@ def test_every_end_token_the_checkpoint_lists_stops_a_response(engine):
     assert batch.finish_reasons == ["stop", "stop", "length"]
     model.generation_config.eos_token_id = tokenizer.unk_token_id  # listed no more: the rows run to the end
     assert engine(model, tokenizer).generate(prompts, 24, temperature=0).finish_reasons == ["length"] * 3
+
+
+@pytest.mark.parametrize("engine", [HFRollout, FastHFRollout])
+def test_a_response_whose_end_token_is_its_last_allowed_token_has_stopped(engine):
+    """A response that draws its end token exactly at position max_new_tokens ended by EOS: finish
+    "stop", not "length" (which would score it as cut, with the truncation reward). tiny_actor
+    stops greedily after a "7"; each stopping row is rerun with max_new_tokens = its own length."""
+    tokenizer, model = tiny_actor()
+    prompts = [tokenizer(t)["input_ids"] for t in ["+17+7", "+40+47", "+1+2=\n"]]
+    free = engine(model, tokenizer).generate(prompts, 24, temperature=0)
+    assert free.finish_reasons == ["stop", "stop", "length"]
+    for row in (0, 1):
+        length = int(free.lengths[row])
+        tight = engine(model, tokenizer).generate([prompts[row], prompts[2]], length, temperature=0)
+        assert tight.finish_reasons == ["stop", "length"] and tight.lengths.tolist() == [length, length]
+        assert torch.equal(tight.response_ids[0], free.response_ids[row, :length])
+        assert tight.response_ids[0, -1].item() == tokenizer.eos_token_id
+
+
+def test_top_p_keeps_the_nucleus_of_transformers_top_p_warper_and_always_the_most_likely_token():
+    """sample_tokens' top-p is TopPLogitsWarper's: the least likely tokens whose mass is <= 1 - top_p are
+    never drawn, and the most likely token always stays (a top_p far below its probability keeps it
+    alone instead of masking every token). Thousands of draws of one distribution."""
+    from transformers import TopPLogitsWarper
+
+    from support.fast_rollout import sample_tokens
+
+    logits = torch.tensor([0.30, 0.33, 0.37]).log().repeat(4000, 1)
+    generator = torch.Generator().manual_seed(0)
+    for top_p in (0.5, 0.8, 1e-9):  # 1 - 1e-9 is 1.0 in float32: every token's mass is <= it
+        kept = torch.isfinite(TopPLogitsWarper(top_p)(None, logits[:1].clone())[0]).nonzero().squeeze(1).tolist()
+        tokens, logprobs = sample_tokens(logits, 1.0, top_p, generator)
+        assert sorted(set(tokens.tolist())) == kept, top_p
+        assert torch.allclose(logprobs, logits[0].log_softmax(-1)[tokens])  # of the untruncated distribution
+    assert kept == [2]
