@@ -106,3 +106,33 @@ def test_scripts_write_png_and_markdown(tmp_path):
     for name in ("reward_decay", "eq8_check"):
         assert (tmp_path / f"{name}.png").stat().st_size > 1000
         assert "|" in (tmp_path / f"{name}.md").read_text()
+
+
+def test_a_response_cut_at_the_horizon_scores_minus_one_and_the_others_their_coin():
+    """The MDP is the project's task in miniature: a response that reaches the horizon without EOS is
+    cut and scores -1 (as an unboxed, truncated response does); one that ends with EOS gets its seeded
+    +-1. The reward sits on each response's last token only."""
+    mdp = eq8_check.build_mdp(n_tokens=2, horizon=3, eos=True, seed=0)
+    eos_id = 2
+    cut = [r for r in mdp.terminal_reward if r[-1] != eos_id]
+    ended = [r for r in mdp.terminal_reward if r[-1] == eos_id]
+    assert len(cut) == 2**3 and len(ended) == 1 + 2 + 4
+    assert all(mdp.terminal_reward[r] == -1.0 for r in cut)
+    assert {mdp.terminal_reward[r] for r in ended} == {-1.0, 1.0}
+    lengths = mdp.mask.sum(1).long()
+    assert torch.equal(mdp.rewards.abs().sum(1), torch.ones(len(lengths), dtype=torch.float64))
+    assert (mdp.rewards[torch.arange(len(lengths)), lengths - 1] != 0).all()
+    # without EOS every response has the full length and its coin decides
+    no_eos = eq8_check.build_mdp(n_tokens=2, horizon=3, eos=False, seed=0)
+    assert set(no_eos.terminal_reward.values()) == {-1.0, 1.0}
+
+
+def test_relative_bias_is_the_gradient_error_over_the_true_gradients_norm():
+    """rel_bias is ||g_GAE - g_true|| / ||g_true|| (the md and plot say so), recomputed here for the zero
+    critic at lambda = 0, where A_t = r_t: only the last token's score is weighted, by the outcome."""
+    res = eq8_check.run_check(n_tokens=2, horizon=3, eos=True, lambdas=(0.0, 1.0), seed=0)
+    mdp = eq8_check.build_mdp(n_tokens=2, horizon=3, eos=True, seed=0)
+    g_true = eq8_check.true_gradient(mdp)
+    g_gae = eq8_check.expected_score_gradient(mdp, mdp.rewards)
+    expected = float((g_gae - g_true).norm() / g_true.norm())
+    assert expected > 0.1 and res.rel_bias["zero"][0.0] == pytest.approx(expected, rel=1e-5)
