@@ -223,7 +223,6 @@ def test_box_alignment_reads_the_values_around_the_final_box():
     assert advantage_bias.box_alignment(rollouts, [values], starts)["jump"] == pytest.approx(1.5)
 
 
-
 def test_box_alignment_leaves_out_a_response_cut_right_after_its_box_opens():
     """A response cut just after `\\boxed{` has no token at s_e (its box's content never started):
     it is left out, not read at the padding after its last token (whose value is 0)."""
@@ -246,6 +245,7 @@ def test_box_alignment_leaves_out_a_response_cut_right_after_its_box_opens():
     box = advantage_bias.box_alignment(rollouts, [values], starts)
     assert box["responses"] == 1
     assert (box["value_at_open"], box["value_after_open"], box["jump"]) == pytest.approx((0.5, 0.5, 0.0))
+
 
 def test_the_box_opening_is_counted_in_the_tokenizers_tokens_not_in_characters():
     """`\\boxed{` is 7 characters, one token or a few in a BPE vocabulary: with --model, "after the
@@ -271,25 +271,38 @@ def test_orm_quality_and_first_quarter_are_reported(bias):
     assert "base rate" in md and "first quarter" in md
 
 
-def test_first_quarter_advantage_averages_the_first_ceil_quarter_tokens(monkeypatch):
-    """analysis/advantage_bias.py position_sums: the first-quarter numbers in RESULTS.md were only
-    checked for their keys; a half-length window or the whole response passed. Values 0.1 * t,
-    gamma = lambda = 1: A_t = outcome - 0.1 t."""
-    from analysis import advantage_bias
+def position_sums_of_two_responses(monkeypatch, lengths: list[int]) -> dict:
+    """advantage_bias.position_sums over two responses of these lengths, outcomes +1 and -1, bins of
+    4 tokens; values 0.1 * t and gamma = lambda = 1, so A_t = outcome - 0.1 t."""
     from rollout import RolloutBatch
     from reward import terminal_rewards
     from sampling import ScoredBatch
 
-    lengths, outcomes = [8, 5], torch.tensor([1.0, -1.0])
-    width = max(lengths)
+    outcomes, width = torch.tensor([1.0, -1.0]), max(lengths)
     mask = (torch.arange(width)[None] < torch.tensor(lengths)[:, None]).float()
     batch = RolloutBatch(torch.ones(2, 1, dtype=torch.long), torch.ones(2, 1, dtype=torch.long),
                          torch.ones(2, width, dtype=torch.long), mask, torch.zeros(2, width), ["stop", "stop"])
     scored = ScoredBatch(batch, ["", ""], outcomes, terminal_rewards(outcomes, mask), 0, 0, {})
-    monkeypatch.setattr(advantage_bias, "response_values", lambda critic, b: 0.1 * torch.arange(width).float() * b.response_mask)
-    sums = advantage_bias.position_sums([scored], object(), (1.0,), 1.0, width, bin_size=4)
+    monkeypatch.setattr(advantage_bias, "response_values",
+                        lambda critic, b: 0.1 * torch.arange(width).float() * b.response_mask)
+    return advantage_bias.position_sums([scored], object(), (1.0,), 1.0, width, bin_size=4)
+
+
+def test_first_quarter_advantage_averages_the_first_ceil_quarter_tokens(monkeypatch):
+    """analysis/advantage_bias.py position_sums: the first-quarter numbers in RESULTS.md were only
+    checked for their keys; a half-length window or the whole response passed."""
+    sums = position_sums_of_two_responses(monkeypatch, [8, 5])
     # quarter of 8 tokens: t = 0, 1 -> 1 - 0.05; quarter of 5 tokens (ceil 5/4 = 2): t = 0, 1 -> -1 - 0.05
     assert sums["first_quarter"][1.0] == pytest.approx([0.95, -1.05])
+
+
+def test_first_bin_advantage_of_a_short_response_averages_its_own_tokens_only(monkeypatch):
+    """Each response's mean A_t over the first bin (behind the first bin's standard error) is over its
+    valid tokens; a response shorter than the bin must not count its padding as advantages of 0."""
+    sums = position_sums_of_two_responses(monkeypatch, [8, 2])
+    # t = 0..3 of the first: 1 - 0.15; t = 0, 1 of the second (2 tokens): -1 - 0.05
+    assert sums["first_bin"][1.0] == pytest.approx([0.85, -1.05])
+    assert sums["count"].tolist() == [2, 2, 1, 1, 1, 1, 1, 1]
 
 
 def test_the_fresh_head_critic_is_the_one_a_run_of_that_seed_starts_from(run_root, tmp_path, monkeypatch):
@@ -315,24 +328,3 @@ def test_strategies_refuses_no_problem_rather_than_report_a_pass_at_1_of_0(run_r
     with pytest.raises(ValueError, match="--problems must be >= 1, got 0"):
         strategies.main(strategies.Args(runs=(run_root / RUN,), problems=0, out=tmp_path))
     assert not (tmp_path / "strategies.md").exists()
-
-
-def test_first_bin_advantage_of_a_short_response_averages_its_own_tokens_only(monkeypatch):
-    """analysis/advantage_bias.py position_sums: each response's mean A_t over the first bin (behind the
-    first bin's standard error) is over its valid tokens; a response shorter than the bin must not
-    count its padding as advantages of 0. Values 0.1 * t, gamma = lambda = 1: A_t = outcome - 0.1 t."""
-    from rollout import RolloutBatch
-    from reward import terminal_rewards
-    from sampling import ScoredBatch
-
-    lengths, outcomes = [8, 2], torch.tensor([1.0, -1.0])
-    width = max(lengths)
-    mask = (torch.arange(width)[None] < torch.tensor(lengths)[:, None]).float()
-    batch = RolloutBatch(torch.ones(2, 1, dtype=torch.long), torch.ones(2, 1, dtype=torch.long),
-                         torch.ones(2, width, dtype=torch.long), mask, torch.zeros(2, width), ["stop", "stop"])
-    scored = ScoredBatch(batch, ["", ""], outcomes, terminal_rewards(outcomes, mask), 0, 0, {})
-    monkeypatch.setattr(advantage_bias, "response_values", lambda critic, b: 0.1 * torch.arange(width).float() * b.response_mask)
-    sums = advantage_bias.position_sums([scored], object(), (1.0,), 1.0, width, bin_size=4)
-    # t = 0..3 of the first: 1 - 0.15; t = 0, 1 of the second (2 tokens): -1 - 0.05
-    assert sums["first_bin"][1.0] == pytest.approx([0.85, -1.05])
-    assert sums["count"].tolist() == [2, 2, 1, 1, 1, 1, 1, 1]

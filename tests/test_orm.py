@@ -168,7 +168,6 @@ def test_sample_and_score_puts_the_outcome_on_the_last_valid_token_and_scores_cu
     assert scored.texts[0] == " ".join(map(str, batch.response_ids[0, : batch.lengths[0]].tolist()))
 
 
-
 def test_sample_and_score_samples_with_the_runs_settings_and_the_given_seed():
     """The engine is asked for the run's max_new_tokens, temperature and top_p (each in its own place:
     the defaults are all 1.0, so a swap goes unnoticed elsewhere) and the caller's seed, which makes
@@ -185,6 +184,7 @@ def test_sample_and_score_samples_with_the_runs_settings_and_the_given_seed():
     sampler = Sampler(cfg, RecordingRollout(batch), DigitTokenizer(), FixedGrader([1.0, -1.0, 1.0, -1.0]))
     sampler.sample_and_score([{"prompt_ids": [3 + i, 1], "answer": "1"} for i in range(4)], seed=1234)
     assert calls == [([[3, 1], [4, 1], [5, 1], [6, 1]], 8, 0.6, 0.9, 1234)]
+
 
 def test_orm_sign_accuracy_is_the_share_of_scores_with_the_label_sign(tmp_path, one_thread):
     """train_orm's orm/sign_accuracy at a step: the share of rows whose score (before that step's

@@ -112,7 +112,6 @@ def test_critic_from_sft_gets_a_fresh_small_head_and_round_trips(policy, tmp_pat
     assert torch.equal(again.score.weight, critic.score.weight)
 
 
-
 def test_trim_drops_only_padding_columns_and_keeps_every_real_token(policy):
     """A micro-batch without the batch's longest prompt is trimmed to its own longest prompt: the
     columns dropped are the left pads (prompts are left-padded), never a real prompt token, and the
@@ -152,6 +151,7 @@ def test_positions_count_real_tokens_for_a_model_with_learned_positions():
         logits = batch.response_slice(model(**batch.model_inputs()).logits)
     recomputed = response_logprobs(logits, batch.response_ids, temperature=0.7) * batch.response_mask
     assert torch.allclose(recomputed, batch.logprobs, atol=1e-5)
+
 
 def test_a_gpt2_backbone_gets_its_fresh_head_under_its_own_name(policy, tmp_path, capsys):
     """GPT-2's and GPT-NeoX's token-classification head is `classifier`, not `score`: a critic on
