@@ -200,19 +200,28 @@ def test_roc_auc_counts_ordered_pairs_and_ties_half():
     assert math.isnan(roc_auc(scores, np.zeros(5, dtype=bool)))
 
 
-def test_box_alignment_reads_the_values_around_the_final_box():
+def two_boxed_rollouts(texts: list[str], finish_reasons: list[str], missing_box: int):
+    """One rollout of the built-in tokenizer's tokens of `texts`, EOS after each that stopped, outcomes
+    +1 and -1; (tokenizer, the rollouts as advantage_bias reads them, the batch's width)."""
     from rollout import RolloutBatch
     from sampling import ScoredBatch
 
     tokenizer = task.build_tokenizer()
-    texts = ["a:1234\n\\boxed{1234}", "a:1234\na:1"]  # the second has no box: left out
-    ids = [tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for t in texts]
+    ids = [tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] * (reason == "stop")
+           for t, reason in zip(texts, finish_reasons)]
     width = max(map(len, ids))
     response = torch.tensor([i + [tokenizer.pad_token_id] * (width - len(i)) for i in ids])
     mask = torch.tensor([[1.0] * len(i) + [0.0] * (width - len(i)) for i in ids])
     batch = RolloutBatch(torch.ones(2, 1, dtype=torch.long), torch.ones(2, 1, dtype=torch.long), response, mask,
-                         torch.zeros(2, width), ["stop", "stop"])
-    rollouts = [ScoredBatch(batch, texts, torch.tensor([1.0, -1.0]), torch.zeros(2, width), 0, 1, {})]
+                         torch.zeros(2, width), finish_reasons)
+    scored = ScoredBatch(batch, texts, torch.tensor([1.0, -1.0]), torch.zeros(2, width), 0, missing_box, {})
+    return tokenizer, [scored], width
+
+
+def test_box_alignment_reads_the_values_around_the_final_box():
+    texts = ["a:1234\n\\boxed{1234}", "a:1234\na:1"]  # the second has no box: left out
+    tokenizer, rollouts, width = two_boxed_rollouts(texts, ["stop", "stop"], missing_box=1)
+    mask = rollouts[0].batch.response_mask
     starts = advantage_bias.box_starts(tokenizer, rollouts)
     assert starts == [[(7, 14), (-1, -1)]]  # "a:1234\n" is 7 tokens, and so is "\\boxed{" here
     values = torch.where(torch.arange(width) < 7, -1.0, 0.5).expand(2, width) * mask  # -1 until the box opens
@@ -226,21 +235,11 @@ def test_box_alignment_reads_the_values_around_the_final_box():
 def test_box_alignment_leaves_out_a_response_cut_right_after_its_box_opens():
     """A response cut just after `\\boxed{` has no token at s_e (its box's content never started):
     it is left out, not read at the padding after its last token (whose value is 0)."""
-    from rollout import RolloutBatch
-    from sampling import ScoredBatch
-
-    tokenizer = task.build_tokenizer()
     texts = ["a:1234\n\\boxed{1234}", "a:1234\n\\boxed{"]  # the second cut at max_new_tokens
-    ids = [tokenizer(texts[0], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id],
-           tokenizer(texts[1], add_special_tokens=False)["input_ids"]]
-    width = max(map(len, ids))
-    response = torch.tensor([i + [tokenizer.pad_token_id] * (width - len(i)) for i in ids])
-    mask = torch.tensor([[1.0] * len(i) + [0.0] * (width - len(i)) for i in ids])
-    batch = RolloutBatch(torch.ones(2, 1, dtype=torch.long), torch.ones(2, 1, dtype=torch.long), response, mask,
-                         torch.zeros(2, width), ["stop", "length"])
-    rollouts = [ScoredBatch(batch, texts, torch.tensor([1.0, -1.0]), torch.zeros(2, width), 0, 0, {})]
+    tokenizer, rollouts, width = two_boxed_rollouts(texts, ["stop", "length"], missing_box=0)
+    mask = rollouts[0].batch.response_mask
     starts = advantage_bias.box_starts(tokenizer, rollouts)
-    assert starts == [[(7, 14), (7, 14)]] and int(batch.lengths[1]) == 14
+    assert starts == [[(7, 14), (7, 14)]] and int(rollouts[0].batch.lengths[1]) == 14
     values = torch.where(torch.arange(width) < 7, -1.0, 0.5).expand(2, width) * mask
     box = advantage_bias.box_alignment(rollouts, [values], starts)
     assert box["responses"] == 1
