@@ -463,12 +463,11 @@ def _built_in_task(cfg, tokenizer) -> tuple[list[dict], list[dict]]:
     for split, n, seed in (("train", cfg.task_train_size, 1), ("eval", cfg.task_eval_size, 2)):
         problems = task.make_problems(n, seed, lo, hi, width)
         records[split] = [{**p, "prompt_ids": encode_prompt(tokenizer, p["prompt"])} for p in problems]
-        longest = max((len(r["prompt_ids"]) for r in records[split]), default=0)
-        if longest > cfg.max_prompt_tokens:  # none may be dropped: the task's sets are fixed by their seeds
-            raise DataError(f"the built-in task's prompts take up to {longest} tokens, over --max-prompt-tokens "
-                            f"{cfg.max_prompt_tokens}")
-    # The built-in model's positions past CONTEXT were never trained (RoPE runs on, without an error).
     longest = max((len(r["prompt_ids"]) for split in records.values() for r in split), default=0)
+    if longest > cfg.max_prompt_tokens:  # none may be dropped: the task's sets are fixed by their seeds
+        raise DataError(f"the built-in task's prompts take up to {longest} tokens, over --max-prompt-tokens "
+                        f"{cfg.max_prompt_tokens}")
+    # The built-in model's positions past CONTEXT were never trained (RoPE runs on, without an error).
     new_tokens = max(cfg.max_new_tokens, cfg.eval_max_new_tokens or 0)
     if cfg.model is None and longest + new_tokens > task.CONTEXT:
         raise DataError(f"the built-in model holds {task.CONTEXT} positions, and the task's prompts (up to {longest} "
