@@ -23,32 +23,30 @@ import time
 
 import torch
 from tqdm import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from support import checkpoints
 import fsdp_utils
 from support import memory_plan
 from support import preemption
 from support import rundir
-from support.config import Config, ConfigError, cpu_threads, launch_world_size, parse_config, positions_needed
+from support.config import Config, ConfigError, cpu_threads, parse_config, positions_needed
 from critic import check_orm, critic_loss, fresh_head_seed, load_value_model, prepare_orm, response_values
 from support.data import DataError, prepare_data, sample_prompts, stream_seed
 from evaluate import eval_sampler, evaluate, evaluate_once, val_metrics
 from support.fast_rollout import FastHFRollout
-from gae import compute_gae, decoupled_gae, grpo_advantages, length_adaptive_lambda
+from gae import decoupled_gae, grpo_advantages, length_adaptive_lambda
 from support.masked import check_masked_inputs, masked_mean
-from ppo import aggregate_loss, entropy_from_logits, explained_variance, kl_penalty, policy_loss
+from support.step_metrics import rollout_metrics
+from ppo import aggregate_loss, entropy_from_logits, kl_penalty, policy_loss
 from ppo import response_logprobs, token_logprobs_and_entropy
 from ppo_update import assert_finite, masked_whiten, micro_batched_forward, update_model
 from rollout import HFRollout, RolloutBatch, stop_and_pad_ids
-from sampling import Sampler, ScoredBatch
-from support.sft import ModelError, check_model, prepare_sft
+from sampling import Sampler
+from support.sft import ModelError, prepare_sft
 from support.vllm_rollout import VLLMRollout
 from value_pretrain import check_rerun, prepare_value_critic
 from reward import Grader
-
-POSITION_BINS = 4  # advantage mean per quarter of each response, early to late (paper Fig. 2)
-
 
 def policy_forward(actor, batch, temperature: float, with_entropy: bool = False, chunk_tokens: int | None = None,
                    entropy_grad: bool = True):
@@ -199,76 +197,6 @@ def timed(timings: dict, name: str):
     timings[name] = time.perf_counter() - start
 
 
-def position_bins(mask, bins: int = POSITION_BINS) -> list:
-    """The mask of each relative-position bin of the responses' tokens (early -> late)."""
-    lengths = mask.sum(-1, keepdim=True).clamp(min=1)
-    position = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
-    bin_of = (position * bins // lengths).clamp(max=bins - 1)
-    return [mask * (bin_of == b) for b in range(bins)]
-
-
-class TokenMeans(dict):
-    """Metrics that are means over tokens, with how many tokens each had on this rank: reduced over
-    ranks as a mean over every rank's tokens (fsdp_utils.reduce_metrics), NaN over none."""
-
-    def __init__(self):
-        super().__init__()
-        self.tokens = {}
-
-    def add(self, name: str, x, mask) -> None:
-        self[name], self.tokens[name] = masked_mean(x, mask).item(), mask.sum().item()
-
-
-def critic_error_metrics(scored: ScoredBatch, values, advantages, gamma: float, means: TokenMeans) -> None:
-    """How far the critic is from this batch's Monte-Carlo return G_t, and what that does to the
-    advantages (§3.1): the mean of V(s_t) - G_t over all response tokens and over each response's
-    first quarter (at step 0, the critic's initial error), and the mean advantage (before whitening)
-    of the last token, which alone sees r - V(s_{L-1}), against the rest."""
-    mask = scored.batch.response_mask
-    _, mc_return = compute_gae(scored.token_rewards, values, mask, gamma, lam=1.0)  # Eq. 7 at lambda = 1: G_t
-    last = torch.zeros_like(mask)
-    last[torch.arange(len(mask), device=mask.device), scored.batch.lengths - 1] = 1.0
-    error = values - mc_return
-    means.add("critic/value_error/all", error, mask)
-    means.add("critic/value_error/first_quarter", error, position_bins(mask)[0])
-    means.add("advantage/last_token", advantages, last)
-    means.add("advantage/other_tokens", advantages, mask - last)
-
-
-def rollout_metrics(scored: ScoredBatch, per_token: dict, advantages, timings: dict, gamma: float) -> dict:
-    """Lengths, outcomes, advantages (before whitening, which centres them), the critic's values
-    before the update, and timings; reduced over ranks (update_model's metrics already are)."""
-    batch, mask = scored.batch, scored.batch.response_mask
-    lengths = batch.lengths.float()
-    metrics = {
-        "response_length/mean": lengths.mean().item(),
-        "response_length/max": lengths.max().item(),
-        "response_length/clip_ratio": sum(batch.truncated) / len(batch),
-        "prompt_length/mean": batch.prompt_mask.sum(-1).float().mean().item(),
-        "reward/mean": scored.outcomes.mean().item(),
-        "reward/accuracy": (scored.outcomes > 0).float().mean().item(),
-        "reward/grader_timeouts": scored.grader_timeouts,
-        "reward/missing_box": scored.missing_box,
-    }
-    means = TokenMeans()
-    means.add("advantage/mean", advantages, mask)
-    if "old_values" in per_token:
-        values = per_token["old_values"]
-        means.add("critic/values_mean", values, mask)
-        means.add("critic/returns/mean", per_token["returns"], mask)
-        # Over every rank's tokens: a rank whose returns were all equal (undefined there) must not make it NaN.
-        metrics["critic/vf_explained_var"] = explained_variance(values, per_token["returns"], mask,
-                                                                total=fsdp_utils.all_reduce).item()
-        critic_error_metrics(scored, values, advantages, gamma, means)
-    for b, in_bin in enumerate(position_bins(mask)):
-        means.add(f"advantage/pos_bin{b}", advantages, in_bin)
-    metrics |= {f"timing_s/{k}": v for k, v in timings.items()}
-    metrics["timing_s/step"] = sum(timings.values())
-    metrics["perf/throughput"] = (batch.prompt_mask.sum() + mask.sum()).item() / metrics["timing_s/step"]  # per GPU
-    return fsdp_utils.reduce_metrics(metrics | means, maxes=("response_length/max",),
-                                     sums=("reward/grader_timeouts", "reward/missing_box"), tokens=means.tokens)
-
-
 def check_diverged(metrics: dict, models: dict) -> None:
     """FloatingPointError when a loss or a parameter is no longer finite."""
     for key in ("actor/pg_loss", "critic/vf_loss"):
@@ -311,60 +239,9 @@ def build_engine(cfg, actor, path: str, tokenizer):
         raise refusal(cfg, path, err) from None
 
 
-def export_actor(cfg, actor, tokenizer, path: str) -> None:
-    """The actor as a Hugging Face checkpoint with its tokenizer, which `from_pretrained`, vLLM and
-    evaluation harnesses open as they are: streamed from the shards (`checkpoints.export_hf_checkpoint`,
-    a collective: every rank calls it), in bf16 when the run computes in bf16, else fp32."""
-    if fsdp_utils.is_main():
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-    checkpoints.export_hf_checkpoint(actor, tokenizer, path, dtype=torch.bfloat16 if cfg.mixed_precision else None)
-
-
-def snapshot_due(cfg, steps_done: int) -> bool:
-    """--save-hf-every: a snapshot after every N steps but the last (the final actor is actor_hf)."""
-    return bool(cfg.save_hf_every) and steps_done % cfg.save_hf_every == 0 and steps_done < cfg.steps
-
-
-def snapshot_path(run_dir: str, steps_done: int) -> str:
-    return os.path.join(run_dir, "actor_hf_steps", f"step_{steps_done}")
-
-
-def export_into_run(cfg, actor, tokenizer, run_dir: str, path: str) -> None:
-    """`export_actor`; a failed write says what the run kept, and that --resume writes it again."""
-    try:
-        export_actor(cfg, actor, tokenizer, path)
-    except checkpoints.CheckpointError as err:
-        raise checkpoints.CheckpointError(f"{err}. {rundir.last_checkpoint(run_dir)} Resume with the same command "
-                                          f"and --resume to write it again") from None
-
-
-def print_plan(cfg: Config) -> None:
-    """--plan: per-GPU and per-node host memory of this config at torchrun's world size (without
-    torchrun, the preset's target: memory_plan.TARGETS; nodes of LOCAL_WORLD_SIZE or 8 GPUs), then
-    what it needs at the target's, 8 and 16 GPUs."""
-    target = memory_plan.target(cfg.preset)
-    shape = target.model  # --plan without --model: the preset's model (the paper's for the CPU presets)
-    if cfg.model is not None:  # only its config.json is read: no weights needed to plan
-        check_model(cfg.model, weights=False)
-        shape = memory_plan.ModelShape.from_config(AutoConfig.from_pretrained(cfg.model))
-    options = dict(
-        tensor_parallel_size=cfg.tensor_parallel_size,
-        micro_batch_tokens=cfg.micro_batch_tokens or cfg.micro_batch_size * (cfg.max_prompt_tokens + cfg.max_new_tokens),
-        gpu_memory_utilization=cfg.gpu_memory_utilization, mixed_precision=cfg.mixed_precision,
-        activation_checkpointing=cfg.activation_checkpointing, cpu_offload=cfg.cpu_offload,
-        gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", 8)), gpu_gib=target.gpu_gib,
-        reference_policy=bool(cfg.kl_coef), with_critic=cfg.estimator == "gae", vllm=cfg.rollout == "vllm",
-        checkpoint_fraction=cfg.checkpoint_fraction, logits_chunk_tokens=cfg.logprob_chunk_tokens,
-        entropy_bonus=bool(cfg.entropy_coef),
-    )
-    print(f"target of --preset {cfg.preset}: {target.name} ({target.gpu_gib} GiB a GPU)")
-    print(memory_plan.plan(shape, launch_world_size(cfg), **options))
-    print("\n".join(memory_plan.needs(shape, world_sizes=sorted({target.gpus, 8, 16}), **options)))
-
-
 def main(cfg: Config) -> dict:
     if cfg.plan:
-        print_plan(cfg)
+        memory_plan.print_plan(cfg)
         return {}
     try:  # before any stage runs: a GPU-only flag on a CPU machine stops here
         fsdp_utils.check_gpu_options(cfg.mixed_precision, cfg.cpu_offload)
@@ -430,8 +307,9 @@ def run(cfg: Config, dist_info) -> dict:
         sampler.engine.sync_weights(models["actor"])  # the rollout engine samples from the restored actor
         # The snapshot of the step resumed from, if its export failed after the checkpoint was saved,
         # or if that step was then the run's last (exported only as actor_hf, which this run replaces).
-        if snapshot_due(cfg, start) and fsdp_utils.any_rank(not os.path.isdir(snapshot_path(run_dir, start))):
-            export_into_run(cfg, models["actor"], tokenizer, run_dir, snapshot_path(run_dir, start))
+        snapshot = rundir.snapshot_path(run_dir, start)
+        if rundir.snapshot_due(cfg, start) and fsdp_utils.any_rank(not os.path.isdir(snapshot)):
+            rundir.export_into_run(cfg, models["actor"], tokenizer, run_dir, snapshot)
     log = rundir.MetricsLog(run_dir, keep_up_to_step=start - 1, wandb_project=cfg.wandb_project,
                             config=dataclasses.asdict(cfg))
 
@@ -460,8 +338,9 @@ def run(cfg: Config, dist_info) -> dict:
             saved = preempted or (step + 1) % cfg.save_every == 0 or last
             if saved:
                 rundir.save(cfg, run_dir, step, models, optimizers, schedulers)
-            if snapshot_due(cfg, step + 1):
-                export_into_run(cfg, models["actor"], tokenizer, run_dir, snapshot_path(run_dir, step + 1))
+            if rundir.snapshot_due(cfg, step + 1):
+                snapshot = rundir.snapshot_path(run_dir, step + 1)
+                rundir.export_into_run(cfg, models["actor"], tokenizer, run_dir, snapshot)
             if not (preempted or last) and preemption.requested():  # signalled during the save or the export:
                 if not saved:  # stop now, not after one more step
                     rundir.save(cfg, run_dir, step, models, optimizers, schedulers)
@@ -471,7 +350,7 @@ def run(cfg: Config, dist_info) -> dict:
 
     summary["ppo"] = final or evaluate(evaluator, eval_records, "ppo")
     log.close()
-    export_into_run(cfg, models["actor"], tokenizer, run_dir, os.path.join(run_dir, "actor_hf"))
+    rundir.export_into_run(cfg, models["actor"], tokenizer, run_dir, os.path.join(run_dir, "actor_hf"))
     grader.close()
     if fsdp_utils.is_main():
         rundir.write_json(os.path.join(run_dir, "summary.json"), summary)

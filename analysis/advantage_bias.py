@@ -40,7 +40,7 @@ from support.data import prepare_data, sample_prompts, stream_seed
 from fsdp_utils import local_device
 from gae import compute_gae
 from support.masked import masked_mean, masked_sum
-from train import position_bins
+from support.step_metrics import position_bins
 from rollout import HFRollout
 from sampling import Sampler
 from support.sft import prepare_sft, sft_cache_path

@@ -1,5 +1,5 @@
 """Per-GPU and per-node host memory plan for colocated FSDP2 training and vLLM rollouts
-(`train.py --plan`).
+(`train.py --plan`, `print_plan`).
 
 An estimate from the model's shapes, not a measurement. A colocated step has two phases on the GPU:
 - rollout: vLLM is awake and takes `gpu_memory_utilization` of the GPU (its bf16 weights split
@@ -20,7 +20,10 @@ not counted.
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, field
+
+from support.config import Config, launch_world_size
 
 GIB = 1024**3
 # The actor's output head, per (token x vocab) element, at its peak (the forward; measured on the CPU
@@ -293,6 +296,34 @@ def _activations(shape: ModelShape, tokens: int, nbytes: int, checkpoint_fractio
     # A checkpointed layer keeps its input; the one being recomputed holds its activations and their gradients.
     total = recomputed * shape.hidden * tokens * nbytes + (shape.layers - recomputed) * per_layer
     return (total + (2 * per_layer if recomputed else 0)) / GIB
+
+
+def print_plan(cfg: Config) -> None:
+    """`train.py --plan`: per-GPU and per-node host memory of this config at torchrun's world size
+    (without torchrun, the preset's target: TARGETS; nodes of LOCAL_WORLD_SIZE or 8 GPUs), then what
+    it needs at the target's, 8 and 16 GPUs."""
+    machine = target(cfg.preset)
+    shape = machine.model  # --plan without --model: the preset's model (the paper's for the CPU presets)
+    if cfg.model is not None:  # only its config.json is read: no weights needed to plan
+        from transformers import AutoConfig
+
+        from support.sft import check_model
+
+        check_model(cfg.model, weights=False)
+        shape = ModelShape.from_config(AutoConfig.from_pretrained(cfg.model))
+    options = dict(
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        micro_batch_tokens=cfg.micro_batch_tokens or cfg.micro_batch_size * (cfg.max_prompt_tokens + cfg.max_new_tokens),
+        gpu_memory_utilization=cfg.gpu_memory_utilization, mixed_precision=cfg.mixed_precision,
+        activation_checkpointing=cfg.activation_checkpointing, cpu_offload=cfg.cpu_offload,
+        gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", 8)), gpu_gib=machine.gpu_gib,
+        reference_policy=bool(cfg.kl_coef), with_critic=cfg.estimator == "gae", vllm=cfg.rollout == "vllm",
+        checkpoint_fraction=cfg.checkpoint_fraction, logits_chunk_tokens=cfg.logprob_chunk_tokens,
+        entropy_bonus=bool(cfg.entropy_coef),
+    )
+    print(f"target of --preset {cfg.preset}: {machine.name} ({machine.gpu_gib} GiB a GPU)")
+    print(plan(shape, launch_world_size(cfg), **options))
+    print("\n".join(needs(shape, world_sizes=sorted({machine.gpus, 8, 16}), **options)))
 
 
 def main(argv: list[str] | None = None) -> MemoryPlan:

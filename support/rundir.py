@@ -10,7 +10,7 @@ The run directory, <out_dir>/<run_name>/:
     checkpoint/     actor, critic, optimizers, schedulers and step (`save` / `resume`), and
                     checkpoint.old/, the one before it, kept in case the newest is damaged (a
                     --resume sets a damaged one aside as checkpoint.damaged/).
-    actor_hf/       the final actor in Hugging Face format, tokenizer included (train.export_actor;
+    actor_hf/       the final actor in Hugging Face format, tokenizer included (`export_actor`;
                     actor_hf_steps/step_<N>/ with --save-hf-every).
     value_pretrain  a link to the value-pretrained critic and its curve, a stage shared by the runs
                     that pretrain the same critic (`build_shared`, below).
@@ -36,6 +36,7 @@ import shutil
 import socket
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 from support import checkpoints
@@ -374,6 +375,33 @@ def last_checkpoint(run_dir: str) -> str:
     """The newest checkpoint a stopped run left, as a sentence."""
     found = checkpoints.saved_checkpoints(os.path.join(run_dir, "checkpoint"))
     return f"Last checkpoint: {found[0]}." if found else "No checkpoint yet."
+
+
+def export_actor(cfg, actor, tokenizer, path: str) -> None:
+    """The actor as a Hugging Face checkpoint with its tokenizer, which `from_pretrained`, vLLM and
+    evaluation harnesses open as they are: streamed from the shards (`checkpoints.export_hf_checkpoint`,
+    a collective: every rank calls it), in bf16 when the run computes in bf16, else fp32."""
+    if fsdp_utils.is_main():
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    checkpoints.export_hf_checkpoint(actor, tokenizer, path, dtype=torch.bfloat16 if cfg.mixed_precision else None)
+
+
+def snapshot_due(cfg, steps_done: int) -> bool:
+    """--save-hf-every: a snapshot after every N steps but the last (the final actor is actor_hf)."""
+    return bool(cfg.save_hf_every) and steps_done % cfg.save_hf_every == 0 and steps_done < cfg.steps
+
+
+def snapshot_path(run_dir: str, steps_done: int) -> str:
+    return os.path.join(run_dir, "actor_hf_steps", f"step_{steps_done}")
+
+
+def export_into_run(cfg, actor, tokenizer, run_dir: str, path: str) -> None:
+    """`export_actor`; a failed write says what the run kept, and that --resume writes it again."""
+    try:
+        export_actor(cfg, actor, tokenizer, path)
+    except checkpoints.CheckpointError as err:
+        raise checkpoints.CheckpointError(f"{err}. {last_checkpoint(run_dir)} Resume with the same command "
+                                          f"and --resume to write it again") from None
 
 
 class MetricsLog:

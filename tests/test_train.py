@@ -20,6 +20,7 @@ from support import checkpoints
 from support import config
 import critic
 from support import rundir
+from support import step_metrics
 import train
 from reward import GradeResult
 
@@ -234,7 +235,7 @@ def test_a_bf16_run_exports_its_actor_in_bf16(sft, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     actor = AutoModelForCausalLM.from_pretrained(sft)
-    train.export_actor(types.SimpleNamespace(mixed_precision=True), actor, AutoTokenizer.from_pretrained(sft),
+    rundir.export_actor(types.SimpleNamespace(mixed_precision=True), actor, AutoTokenizer.from_pretrained(sft),
                        str(tmp_path / "actor_hf"))
     saved, trained = load_file(tmp_path / "actor_hf" / "model.safetensors"), actor.state_dict()
     assert saved and all(t.dtype == torch.bfloat16 and t.equal(trained[name].to(torch.bfloat16))
@@ -508,7 +509,7 @@ def test_each_gpu_preset_fits_its_target_hardware_by_plan(preset, world_size, pa
                 num_key_value_heads=shape.kv_heads, intermediate_size=shape.intermediate, vocab_size=shape.vocab,
                 tie_word_embeddings=shape.tied).save_pretrained(tmp_path)
     for flags in ([], ["--model", str(tmp_path)]):
-        train.print_plan(config.parse_config(["--preset", preset, "--plan", *flags]))
+        memory_plan.print_plan(config.parse_config(["--preset", preset, "--plan", *flags]))
         out = capsys.readouterr().out
         assert f"world size {world_size}," in out and f"actor {params} parameters" in out
         assert re.search(r"^peak [\d.]+ GiB of [\d.]+ GiB usable: fits$", out, re.M), out
@@ -523,7 +524,7 @@ def test_the_plan_follows_the_flags_that_change_what_a_gpu_holds():
 
     def plan(*flags):
         cfg = config.parse_config(["--preset", "qwen2.5-1.5b", "--plan", *flags])
-        train.print_plan(cfg)  # and it prints
+        memory_plan.print_plan(cfg)  # and it prints
         shape = memory_plan.TARGETS["qwen2.5-1.5b"].model
         options = dict(micro_batch_tokens=9216, gpu_memory_utilization=cfg.gpu_memory_utilization,
                        with_critic=cfg.estimator == "gae", vllm=cfg.rollout == "vllm",
@@ -642,8 +643,8 @@ def test_critic_error_metrics_against_a_direct_computation():
                          logprobs=torch.zeros(3, 4), finish_reasons=["stop"] * 3)
     scored = ScoredBatch(batch, [""] * 3, torch.tensor(outcomes), rewards, 0, 0, {})
     advantages = torch.tensor([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 0.0, 0.0], [7.0, 8.0, 9.0, 0.0]]) * mask
-    m = train.TokenMeans()
-    train.critic_error_metrics(scored, values, advantages, 0.5, m)
+    m = step_metrics.TokenMeans()
+    step_metrics.critic_error_metrics(scored, values, advantages, 0.5, m)
     assert m.tokens == {"critic/value_error/all": 9, "critic/value_error/first_quarter": 3,
                         "advantage/last_token": 3, "advantage/other_tokens": 6}  # their weights over ranks
     # G_t = gamma^(L-1-t) r; tokens of the first quarter: t * 4 // L == 0, i.e. t = 0 in every row here.

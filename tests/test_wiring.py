@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from support import step_metrics
 from support import task
 import train
 import value_pretrain
@@ -194,9 +195,9 @@ def test_ppo_step_feeds_decoupled_gae_advantages_to_the_actor_and_lambda_critic_
 
     # advantage/pos_bin{k}: mean advantage over tokens in the k-th quarter of their own response.
     lengths = batch.lengths.tolist()
-    for k in range(train.POSITION_BINS):
+    for k in range(step_metrics.POSITION_BINS):
         in_bin = [advantages[b, t] for b, n in enumerate(lengths) for t in range(n)
-                  if min(t * train.POSITION_BINS // n, train.POSITION_BINS - 1) == k]
+                  if min(t * step_metrics.POSITION_BINS // n, step_metrics.POSITION_BINS - 1) == k]
         assert metrics[f"advantage/pos_bin{k}"] == pytest.approx(sum(in_bin).item() / len(in_bin), abs=1e-5)
     valid = [advantages[b, t] for b, n in enumerate(lengths) for t in range(n)]
     assert metrics["advantage/mean"] == pytest.approx(sum(valid).item() / len(valid), abs=1e-5)  # unwhitened
