@@ -12,6 +12,7 @@ from critic import load_value_model, response_values, shift_values, value_output
 from support.checkpoints import CheckpointError
 from ppo import response_logprobs
 from ppo_update import assert_finite
+import rollout
 from rollout import HFRollout, decode_responses, left_pad
 from train import policy_forward
 
@@ -88,6 +89,17 @@ def test_same_seed_gives_the_same_rollout_and_leaves_global_rng_alone(policy):
     assert torch.equal(a.response_ids, b.response_ids)
     assert not torch.equal(a.response_ids[:, :5], c.response_ids[:, :5])  # and the seed is what decides
     assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_each_rank_samples_with_the_seed_plus_its_rank(policy, monkeypatch):
+    """Under torchrun rank r draws from seed + r: the ranks' batches differ, and a resumed run replays them."""
+    model, tokenizer, _ = policy
+    engine = HFRollout(model, tokenizer)
+    on_rank_0 = {seed: engine.generate(prompts(tokenizer), max_new_tokens=16, seed=seed).response_ids for seed in (7, 9)}
+    monkeypatch.setattr(rollout, "rank", lambda: 2)
+    on_rank_2 = engine.generate(prompts(tokenizer), max_new_tokens=16, seed=7).response_ids
+    assert torch.equal(on_rank_2, on_rank_0[9])
+    assert not torch.equal(on_rank_2, on_rank_0[7])
 
 
 def test_critic_reads_value_of_s_t_at_the_position_before_token_t(policy):
