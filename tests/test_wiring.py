@@ -384,6 +384,38 @@ def test_entropy_bonus_lowers_and_kl_penalty_raises_the_actor_loss(actor, script
     assert metrics["kl"].item() == pytest.approx(mean_k3.item(), rel=1e-4)
 
 
+def test_seq_mean_aggregates_the_entropy_bonus_and_kl_term_as_the_policy_loss_with_the_chosen_estimator(
+        actor, scripted_batch):
+    """--loss-agg seq-mean: the entropy bonus and the KL term are reduced as the policy loss is (each
+    response's token-mean, summed over responses / the normaliser: the number of responses in the
+    mini-batch, of which this micro-batch is half), and the KL term is --kl-estimator's: here
+    k1 = log r with r = pi / pi_ref, not the default k3."""
+    now, logits = full_forward_logprobs(actor, scripted_batch, 0.7)
+    mask = scripted_batch.response_mask
+    rows = 2.0 * len(mask)
+    gen = torch.Generator().manual_seed(0)
+    per_token = {"old_logprobs": now, "advantages": torch.randn(mask.shape, generator=gen) * mask,
+                 "ref_logprobs": (now + 0.3 * torch.randn(mask.shape, generator=gen)) * mask}
+    settings = {"loss_agg": "seq-mean", "kl_estimator": "k1"}
+    base, _ = train.actor_loss(actor, scripted_batch, per_token, rows, actor_config(**settings))
+
+    def seq_mean(x):
+        return ((x * mask).sum(1) / mask.sum(1)).sum() / rows
+
+    p = torch.softmax(logits / 0.7, -1)
+    entropy = -(p * p.log()).sum(-1)
+    with_entropy, _ = train.actor_loss(actor, scripted_batch, per_token, rows,
+                                       actor_config(**settings, entropy_coef=0.1))
+    assert with_entropy.item() == pytest.approx(base.item() - 0.1 * seq_mean(entropy).item(), abs=1e-5)
+
+    log_r = now - per_token["ref_logprobs"]
+    k3 = (-log_r).exp() - 1 + log_r
+    assert abs(seq_mean(log_r) - seq_mean(k3)) > 0.01  # the default estimator cannot pass for it
+    with_kl, metrics = train.actor_loss(actor, scripted_batch, per_token, rows, actor_config(**settings, kl_coef=0.1))
+    assert with_kl.item() == pytest.approx(base.item() + 0.1 * seq_mean(log_r).item(), abs=1e-5)
+    assert metrics["kl"].item() == pytest.approx(((log_r * mask).sum() / mask.sum()).item(), abs=1e-6)
+
+
 def test_the_entropy_is_logged_without_a_graph_unless_the_loss_uses_it(actor, scripted_batch):
     """With --entropy-coef 0 the entropy is a metric only: computed without autograd (no graph keeps
     its [B, T, V] softmax), with the same value; with a coefficient its gradient reaches the actor."""
