@@ -25,6 +25,7 @@ from gae import gae_reference, length_adaptive_lambda
 from ppo import response_logprobs
 from rollout import RolloutBatch, left_pad
 from sampling import Sampler
+from support.data import sample_prompts, stream_seed
 from reward import GradeResult
 
 # Responses of the scripted rollout (characters of the task's alphabet) and how each one ended.
@@ -47,7 +48,7 @@ class ScriptedRollout:
 
     def generate(self, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, seed=None):
         assert len(prompt_ids) == len(self.responses)
-        self.prompts = [list(p) for p in prompt_ids]
+        self.prompts, self.seed = [list(p) for p in prompt_ids], seed
         ids, prompt_mask = left_pad(prompt_ids, self.pad_id)
         width = max(map(len, self.responses))
         response = torch.full((len(ids), width), self.pad_id, dtype=torch.long)
@@ -150,7 +151,7 @@ def record_update_model(calls, metrics=None):
     """A stand-in for ppo.update_model that keeps what each model's update would be given."""
 
     def update_model(cfg, model, optimizer, batch, per_token, loss_fn, seed, prefix):
-        calls[prefix] = SimpleNamespace(model=model, batch=batch, loss_fn=loss_fn,
+        calls[prefix] = SimpleNamespace(model=model, batch=batch, loss_fn=loss_fn, seed=seed,
                                         per_token={k: v.clone() for k, v in per_token.items()})
         return dict(metrics or {})
 
@@ -318,6 +319,26 @@ def test_grpo_step_normalises_each_score_within_its_prompt_group(tokenizer, acto
             expected[b] = (scores[b] - mean) / (std + 1e-6) * batch.response_mask[b]
     torch.testing.assert_close(calls["actor"].per_token["advantages"], expected, atol=1e-4, rtol=1e-5)
     assert not [key for key in metrics if key.startswith("critic/")]
+
+
+def test_each_ppo_step_draws_its_prompts_samples_and_shuffle_from_its_own_streams(
+        tokenizer, actor, records, monkeypatch):
+    """PPO step s takes its prompts from the stream "ppo", its sampling seed from "ppo/sampling" and
+    the mini-batch shuffle of the actor's and the critic's updates alike from "ppo/shuffle", each at
+    step s (data.stream_seed): a resumed run replays its steps, and no two steps share a draw."""
+    cfg = make_config()
+    critic = TokenValueCritic(len(tokenizer), seed=1)
+    draws = {}
+    for step in (0, 3):
+        calls, engine = {}, ScriptedRollout(tokenizer)
+        monkeypatch.setattr(train, "update_model", record_update_model(calls))
+        train.ppo_step(cfg, step, Sampler(cfg, engine, tokenizer, ScriptedGrader()), records,
+                       {"actor": actor, "critic": critic}, {"actor": None, "critic": None})
+        assert engine.prompts == [r["prompt_ids"] for r in sample_prompts(records, cfg, step, stream="ppo")]
+        assert engine.seed == stream_seed(cfg.seed, "ppo/sampling", step)
+        assert calls["actor"].seed == calls["critic"].seed == stream_seed(cfg.seed, "ppo/shuffle", step)
+        draws[step] = engine.prompts, engine.seed, calls["actor"].seed
+    assert all(a != b for a, b in zip(draws[0], draws[3]))
 
 
 # --- the actor's loss and forward ------------------------------------------------------------
