@@ -341,6 +341,66 @@ def test_each_ppo_step_draws_its_prompts_samples_and_shuffle_from_its_own_stream
     assert all(a != b for a, b in zip(draws[0], draws[3]))
 
 
+def test_a_response_cut_with_truncation_reward_0_is_not_counted_accurate(tokenizer, actor, records, monkeypatch):
+    """reward/accuracy is the share of responses scored > 0: the two cut responses score 0 here
+    (--truncation-reward 0), which is no correct answer."""
+    cfg = dataclasses.replace(make_config(), truncation_reward=0.0)
+    _, _, metrics = run_ppo_step(cfg, actor, TokenValueCritic(len(tokenizer)), tokenizer, records, monkeypatch)
+    scores = expected_scores(truncation=0.0)
+    assert (scores == 0).sum() == 2
+    assert metrics["reward/accuracy"] == pytest.approx((scores > 0).float().mean().item())  # 2 of 6
+
+
+def test_a_position_bin_that_no_response_reaches_is_logged_as_undefined(tokenizer, actor, records, monkeypatch):
+    """Responses of 1 or 2 tokens have tokens in the first and third quarters only (t * 4 // L):
+    the mean advantage over no token is NaN, not 0."""
+    short = ScriptedRollout(tokenizer, responses=["1", "2=", "3", "4=", "5", "6="], finish=["stop"] * 6)
+    _, _, metrics = run_ppo_step(make_config(), actor, TokenValueCritic(len(tokenizer)), tokenizer, records,
+                                 monkeypatch, engine=short)
+    assert [math.isnan(metrics[f"advantage/pos_bin{k}"]) for k in range(4)] == [False, True, False, True]
+
+
+def test_ppo_step_metrics_are_reduced_over_ranks_by_their_kind(tokenizer, actor, records, monkeypatch):
+    """Under torchrun each rank holds a share of the batch: rollout_metrics hands
+    fsdp_utils.reduce_metrics the longest response as a maximum, the grader's counts as sums, and
+    each token-mean with the number of this rank's tokens it is over (a mean over every rank's
+    tokens); the explained variance sums its moments over ranks (fsdp_utils.all_reduce). The step's
+    time is the sum of its stages', and the throughput counts prompt and response tokens."""
+    seen, totals = {}, []
+    reduce_metrics, explained_variance = train.fsdp_utils.reduce_metrics, train.explained_variance
+
+    def reduce_spy(metrics, sums=(), maxes=(), tokens=None):
+        seen.update(sums=set(sums), maxes=set(maxes), tokens=dict(tokens))
+        return reduce_metrics(metrics, sums=sums, maxes=maxes, tokens=tokens)
+
+    def explained_variance_spy(*args, **kwargs):
+        totals.append(kwargs.get("total"))
+        return explained_variance(*args, **kwargs)
+
+    monkeypatch.setattr(train.fsdp_utils, "reduce_metrics", reduce_spy)
+    monkeypatch.setattr(train, "explained_variance", explained_variance_spy)
+    engine = ScriptedRollout(tokenizer)
+    batch, _, metrics = run_ppo_step(make_config(), actor, TokenValueCritic(len(tokenizer)), tokenizer, records,
+                                     monkeypatch, engine=engine)
+    assert seen["maxes"] == {"response_length/max"}
+    assert seen["sums"] == {"reward/grader_timeouts", "reward/missing_box"}
+    mask = batch.response_mask
+    tokens, rows = mask.sum().item(), len(mask)
+    in_bins = [int(in_bin.sum()) for in_bin in train.position_bins(mask)]
+    assert len(set(in_bins)) > 1  # bins of different sizes: one count for all cannot pass
+    assert seen["tokens"] == {"advantage/mean": tokens, "critic/values_mean": tokens, "critic/returns/mean": tokens,
+                              "critic/value_error/all": tokens, "critic/value_error/first_quarter": in_bins[0],
+                              "advantage/last_token": rows, "advantage/other_tokens": tokens - rows,
+                              **{f"advantage/pos_bin{k}": n for k, n in enumerate(in_bins)}}
+    assert totals == [train.fsdp_utils.all_reduce]
+
+    stages = {k: v for k, v in metrics.items() if k.startswith("timing_s/") and k != "timing_s/step"}
+    assert stages.keys() == {f"timing_s/{k}" for k in ("rollout", "reward", "forward", "update")}
+    assert metrics["timing_s/step"] == pytest.approx(sum(stages.values()))
+    prompt_tokens = sum(map(len, engine.prompts))
+    assert metrics["perf/throughput"] == pytest.approx((prompt_tokens + tokens) / metrics["timing_s/step"])
+
+
 # --- the actor's loss and forward ------------------------------------------------------------
 
 
