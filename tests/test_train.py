@@ -432,6 +432,24 @@ def test_unreadable_checkpoint_and_diverged_model_stop_with_a_message(out_dir, s
         train.main(micro_config(out_dir, "--run-name", "diverged-vp", "--critic-lr", "1e30", "--steps", "1"))
 
 
+def test_a_loss_or_a_parameter_no_longer_finite_after_a_step_stops_the_run_naming_it():
+    """check_diverged, after each PPO step: an actor or critic loss that is inf or NaN, or a parameter
+    of any of the models (the critic as well as the actor) that is, raises FloatingPointError."""
+    import torch
+
+    models = {"actor": torch.nn.Linear(2, 2), "critic": torch.nn.Linear(2, 1)}
+    finite = {"actor/pg_loss": 0.5, "critic/vf_loss": 1.0}
+    train.check_diverged(finite, models)
+    for key in finite:
+        for bad in (math.inf, -math.inf, math.nan):
+            with pytest.raises(FloatingPointError, match=f"{key} is {bad}"):
+                train.check_diverged(finite | {key: bad}, models)
+    with torch.no_grad():
+        models["critic"].bias[0] = math.inf
+    with pytest.raises(FloatingPointError, match="critic after the update: bias holds NaN or inf"):
+        train.check_diverged(finite, models)
+
+
 def test_pi_sft_is_evaluated_once_per_run_directory(out_dir, sft):
     cfg = micro_config(out_dir, "--run-name", "eval-once", "--steps", "0", "--value-pretrain-steps", "0")
     first = train.main(cfg)["sft"]
