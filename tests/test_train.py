@@ -450,6 +450,19 @@ def test_a_loss_or_a_parameter_no_longer_finite_after_a_step_stops_the_run_namin
         train.check_diverged(finite, models)
 
 
+def test_a_hugging_face_snapshot_is_due_every_n_steps_but_after_the_last():
+    """--save-hf-every N: a snapshot after steps N, 2N, ... (counted from 1), none after the run's
+    last step (its actor is actor_hf), none at all without the flag."""
+    def due(steps, every):
+        cfg = config.Config(steps=steps, save_hf_every=every)
+        return [done for done in range(1, steps + 1) if train.snapshot_due(cfg, done)]
+
+    assert due(7, 3) == [3, 6]
+    assert due(6, 3) == [3]
+    assert due(6, 1) == [1, 2, 3, 4, 5]
+    assert due(6, None) == []
+
+
 def test_pi_sft_is_evaluated_once_per_run_directory(out_dir, sft):
     cfg = micro_config(out_dir, "--run-name", "eval-once", "--steps", "0", "--value-pretrain-steps", "0")
     first = train.main(cfg)["sft"]
