@@ -550,6 +550,21 @@ def test_a_logged_entropy_costs_no_softmax_backward(actor, scripted_batch, chunk
     assert logged[0.0] == pytest.approx(logged[0.1], rel=1e-6)
 
 
+def test_with_logprob_chunks_the_old_logprobs_too_come_from_the_hidden_states_in_chunks(
+        actor, scripted_batch, monkeypatch):
+    """--logprob-chunk-tokens bounds the memory of every log-prob forward, the one before the update
+    as well: old_outputs takes log pi_old from the output head in chunks (ppo.token_logprobs_and_entropy),
+    never whole [B, T, V] logits, with the values of the whole logits."""
+    cfg = make_config(logprob_chunk_tokens=5, temperature=0.7)
+    chunked, statistics = [], train.token_logprobs_and_entropy
+    monkeypatch.setattr(train, "token_logprobs_and_entropy",
+                        lambda *args, **kwargs: chunked.append(args[4]) or statistics(*args, **kwargs))
+    per_token = train.old_outputs(cfg, scripted_batch, actor, None, None)
+    assert chunked and set(chunked) == {5}
+    expected, _ = full_forward_logprobs(actor, scripted_batch, cfg.temperature)
+    torch.testing.assert_close(per_token["old_logprobs"], expected, atol=1e-5, rtol=1e-5)
+
+
 def test_logprob_chunks_refuse_a_model_whose_logits_are_not_its_heads_output(actor, scripted_batch):
     """--logprob-chunk-tokens computes the log-probs inside the output head: Gemma 2 soft-caps what the head
     returns (Cohere and Granite scale it), which would silently bend the log-probs. Such a model stops at
