@@ -192,3 +192,11 @@ def test_every_line_holds_the_last_width_digits_of_x_times_a_power_of_two(length
                 done += len(labels)
                 assert digits == str(x * 2**done % 10**shape.width).zfill(shape.width), (p, line)
             assert done == k and int(digits) == int(p["answer"])
+
+
+def test_x_is_drawn_from_every_number_of_width_digits_and_no_other():
+    """make_problems draws x uniformly from 10^(w-1) .. 10^w - 1: over 20,000 problems both ends
+    come up, and no x of w + 1 digits (10^w), whose prompt is no task prompt."""
+    xs = [task.parse_prompt(p["prompt"])[0] for p in task.make_problems(20000, seed=0)]
+    assert min(xs) == 10 ** (task.WIDTH - 1) and max(xs) == 10**task.WIDTH - 1
+
