@@ -200,3 +200,21 @@ def test_x_is_drawn_from_every_number_of_width_digits_and_no_other():
     xs = [task.parse_prompt(p["prompt"])[0] for p in task.make_problems(20000, seed=0)]
     assert min(xs) == 10 ** (task.WIDTH - 1) and max(xs) == 10**task.WIDTH - 1
 
+
+@pytest.mark.parametrize("edit", ["merge_past_the_end", "line_after_the_last"])
+def test_a_line_doing_more_doublings_than_are_left_is_invalid(edit):
+    """The labels count down to "a"; a line past it has no label to take: not a merged last line of
+    two doublings with one left ("aZ", Z the label below "a" when counting wraps round), nor a line
+    after the last one ("Z")."""
+    p = task.make_problems(1, seed=1, min_difficulty=3, max_difficulty=3)[0]
+    x, _ = task.parse_prompt(p["prompt"])
+    lines = task.full_response(p).split("\n")  # c:, b:, a:, \boxed{}
+    value = int(lines[1].split(":")[1])
+    text = {
+        "merge_past_the_end": "\n".join(lines[:2] + ["aZ:" + str(value * 4 % 10**task.WIDTH).zfill(task.WIDTH),
+                                                      "\\boxed{" + str(value * 4 % 10**task.WIDTH) + "}"]),
+        "line_after_the_last": "\n".join(lines[:3] + ["Z:" + str(x * 16 % 10**task.WIDTH).zfill(task.WIDTH),
+                                                       lines[-1]]),
+    }[edit]
+    assert task.response_strategy(p["prompt"], text) == "invalid"
+
