@@ -218,3 +218,22 @@ def test_a_line_doing_more_doublings_than_are_left_is_invalid(edit):
     }[edit]
     assert task.response_strategy(p["prompt"], text) == "invalid"
 
+
+def test_the_tiny_model_is_drawn_from_its_own_seed_and_has_the_positions_asked_for(tokenizer):
+    """make_tiny_model(seed=s): the same weights for the same seed whatever the global RNG's state,
+    which it leaves untouched; other weights for another seed. max_position_embeddings is the
+    context it is given."""
+    import torch
+
+    def weights(model):
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    torch.manual_seed(123)
+    state = torch.random.get_rng_state()
+    first = task.make_tiny_model(tokenizer, num_layers=1, seed=3)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    torch.manual_seed(456)
+    assert torch.equal(weights(task.make_tiny_model(tokenizer, num_layers=1, seed=3)), weights(first))
+    assert not torch.equal(weights(task.make_tiny_model(tokenizer, num_layers=1, seed=4)), weights(first))
+    assert first.config.max_position_embeddings == task.CONTEXT
+    assert task.make_tiny_model(tokenizer, num_layers=1, max_position_embeddings=64).config.max_position_embeddings == 64
