@@ -353,10 +353,31 @@ def test_value_pretraining_killed_mid_way_resumes_to_the_same_curve(out_dir, tmp
     ("--run-name", "_shared"), ("--run-name", ".."), ("--tensor-parallel-size", "2"), ("--data", "absent.jsonl"),
     ("--eval-every", "0"), ("--save-hf-every", "0"), ("--eval-temperature", "0"), ("--eval-max-new-tokens", "0"),
     ("--prompt-template", "{prompt}"), ("--val-data", "x.jsonl"), ("--val-answer-key", "answer"),  # need --data
+    ("--dual-clip", "1.0"), ("--value-clip", "0"), ("--eval-fraction", "1.0"), ("--task-difficulty", "10 5"),
 ])
 def test_bad_config_values_fail_at_start_naming_the_field(flag, value):
     with pytest.raises(config.ConfigError, match=flag):
-        config.parse_config([flag, value])
+        config.parse_config([flag, *value.split()])
+
+
+def test_values_at_the_edge_of_their_range_are_accepted_and_flags_that_need_another_are_refused(tmp_path):
+    """The closed ends of the ranges validate states are valid settings (lambda 0 is one-step TD, a
+    cut response scored 0 is merely not solved); --data needs --model (the built-in pi_SFT knows only
+    the built-in task), a --prompt-template its '{prompt}', and --task-difficulty the built-in task."""
+    cfg = config.parse_config(["--lam-actor", "0", "--lam-critic", "0", "--gamma", "0", "--truncation-reward", "0",
+                               "--clip-low", "0", "--eval-fraction", "0.99", "--task-difficulty", "1", "1"])
+    assert (cfg.lam_actor, cfg.lam_critic, cfg.truncation_reward, cfg.task_difficulty) == (0.0, 0.0, 0.0, (1, 1))
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    with_data = ["--model", "m", "--data", str(data)]
+    assert config.parse_config([*with_data, "--prompt-template", "Solve: {prompt}"]).data == str(data)
+    for argv, refusal in [
+        (["--data", str(data)], r"--data = .* \(must be .*with --model: the built-in pi_SFT knows only"),
+        ([*with_data, "--prompt-template", "Solve it."], r"--prompt-template = 'Solve it.' \(must be a text holding"),
+        ([*with_data, "--task-difficulty", "2", "3"], r"--task-difficulty = \(2, 3\) \(must be .* and no --data"),
+    ]:
+        with pytest.raises(config.ConfigError, match=refusal):
+            config.parse_config(argv)
 
 
 def test_threads_default_to_the_usable_cores_shared_among_the_local_ranks(monkeypatch):
