@@ -653,6 +653,19 @@ def test_flags_that_another_flag_makes_meaningless_are_named(tmp_path):
         config.parse_config(["--gpu-memory-utilization", "1.0"])  # --plan's arithmetic had raised a traceback
 
 
+def test_a_preset_given_with_an_equals_sign_is_that_preset_and_notes_compare_with_the_runs_own_preset():
+    """--preset=NAME picks the defaults --preset NAME does; unused_flags names the flags set to other
+    values than the run's preset (a GRPO run of qwen2.5-7b keeps that preset's lambdas and critic lr)."""
+    assert config.parse_config(["--preset=qwen2.5-7b"]) == config.parse_config(["--preset", "qwen2.5-7b"])
+    assert config.parse_config(["--preset=qwen2.5-7b"]).actor_lr == 1e-6
+    with pytest.raises(config.ConfigError, match="--preset must be one of .*got 'huge'"):
+        config.parse_config(["--preset=huge"])
+    grpo = ["--preset", "qwen2.5-7b", "--estimator", "grpo", "--samples-per-prompt", "2"]
+    assert config.parse_config(grpo).unused_flags() == []
+    assert config.parse_config([*grpo, "--lam-critic", "0.9"]).unused_flags() == [
+        "--estimator grpo trains no critic: --lam-critic 0.9 changes nothing"]
+
+
 def test_a_critic_offset_without_a_critic_and_bradley_terry_without_pairs_are_refused():
     with pytest.raises(config.ConfigError, match=r"--critic-init-offset = -2.0 \(must be 0 with --estimator grpo"):
         config.parse_config(["--estimator", "grpo", "--critic-init-offset", "-2"])
