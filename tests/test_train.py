@@ -666,6 +666,22 @@ def test_a_preset_given_with_an_equals_sign_is_that_preset_and_notes_compare_wit
         "--estimator grpo trains no critic: --lam-critic 0.9 changes nothing"]
 
 
+def test_the_presets_keep_their_documented_batches_and_the_cpu_ones_fit_the_built_in_models_positions():
+    """The GPU presets' mini-batches as their comments give them (prompts x samples / mini-batches: 64
+    and 128, and VAPO's 512 of 8,192 prompts), at actor lr 1e-6 and critic lr 2e-6 without a KL term;
+    the CPU presets' longest sequence (the prompt limit plus the response limit, vLLM's max_model_len)
+    within the built-in model's positions."""
+    from support import task
+
+    for name, rows in {"qwen2.5-1.5b": 64, "qwen2.5-7b": 128, "qwen2.5-32b": 512}.items():
+        c = config.PRESETS[name]
+        minibatch = c.prompts_per_step * c.samples_per_prompt // c.num_minibatches
+        assert (minibatch, c.actor_lr, c.critic_lr, c.kl_coef) == (rows, 1e-6, 2e-6, 0.0), name
+    assert config.PRESETS["qwen2.5-32b"].prompts_per_step * config.PRESETS["qwen2.5-32b"].samples_per_prompt == 8192
+    for name in ("tiny", "tiny-long"):
+        assert config.positions_needed(config.PRESETS[name]) <= task.CONTEXT, name
+
+
 def test_a_critic_offset_without_a_critic_and_bradley_terry_without_pairs_are_refused():
     with pytest.raises(config.ConfigError, match=r"--critic-init-offset = -2.0 \(must be 0 with --estimator grpo"):
         config.parse_config(["--estimator", "grpo", "--critic-init-offset", "-2"])
