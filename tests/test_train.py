@@ -476,7 +476,7 @@ def test_a_hugging_face_snapshot_is_due_every_n_steps_but_after_the_last():
     last step (its actor is actor_hf), none at all without the flag."""
     def due(steps, every):
         cfg = config.Config(steps=steps, save_hf_every=every)
-        return [done for done in range(1, steps + 1) if train.snapshot_due(cfg, done)]
+        return [done for done in range(1, steps + 1) if rundir.snapshot_due(cfg, done)]
 
     assert due(7, 3) == [3, 6]
     assert due(6, 3) == [3]

@@ -367,7 +367,7 @@ def test_ppo_step_metrics_are_reduced_over_ranks_by_their_kind(tokenizer, actor,
     tokens); the explained variance sums its moments over ranks (fsdp_utils.all_reduce). The step's
     time is the sum of its stages', and the throughput counts prompt and response tokens."""
     seen, totals = {}, []
-    reduce_metrics, explained_variance = train.fsdp_utils.reduce_metrics, train.explained_variance
+    reduce_metrics, explained_variance = step_metrics.fsdp_utils.reduce_metrics, step_metrics.explained_variance
 
     def reduce_spy(metrics, sums=(), maxes=(), tokens=None):
         seen.update(sums=set(sums), maxes=set(maxes), tokens=dict(tokens))
@@ -377,8 +377,8 @@ def test_ppo_step_metrics_are_reduced_over_ranks_by_their_kind(tokenizer, actor,
         totals.append(kwargs.get("total"))
         return explained_variance(*args, **kwargs)
 
-    monkeypatch.setattr(train.fsdp_utils, "reduce_metrics", reduce_spy)
-    monkeypatch.setattr(train, "explained_variance", explained_variance_spy)
+    monkeypatch.setattr(step_metrics.fsdp_utils, "reduce_metrics", reduce_spy)
+    monkeypatch.setattr(step_metrics, "explained_variance", explained_variance_spy)
     engine = ScriptedRollout(tokenizer)
     batch, _, metrics = run_ppo_step(make_config(), actor, TokenValueCritic(len(tokenizer)), tokenizer, records,
                                      monkeypatch, engine=engine)
@@ -386,13 +386,13 @@ def test_ppo_step_metrics_are_reduced_over_ranks_by_their_kind(tokenizer, actor,
     assert seen["sums"] == {"reward/grader_timeouts", "reward/missing_box"}
     mask = batch.response_mask
     tokens, rows = mask.sum().item(), len(mask)
-    in_bins = [int(in_bin.sum()) for in_bin in train.position_bins(mask)]
+    in_bins = [int(in_bin.sum()) for in_bin in step_metrics.position_bins(mask)]
     assert len(set(in_bins)) > 1  # bins of different sizes: one count for all cannot pass
     assert seen["tokens"] == {"advantage/mean": tokens, "critic/values_mean": tokens, "critic/returns/mean": tokens,
                               "critic/value_error/all": tokens, "critic/value_error/first_quarter": in_bins[0],
                               "advantage/last_token": rows, "advantage/other_tokens": tokens - rows,
                               **{f"advantage/pos_bin{k}": n for k, n in enumerate(in_bins)}}
-    assert totals == [train.fsdp_utils.all_reduce]
+    assert totals == [step_metrics.fsdp_utils.all_reduce]
 
     stages = {k: v for k, v in metrics.items() if k.startswith("timing_s/") and k != "timing_s/step"}
     assert stages.keys() == {f"timing_s/{k}" for k in ("rollout", "reward", "forward", "update")}
