@@ -152,3 +152,24 @@ def test_the_context_length_scales_the_original_length_not_an_extended_one():
     assert _context_length(llama) == 131072
     assert _context_length(qwen_yarn) == 131072
     assert _context_length({"max_position_embeddings": 4096}) == 4096 and _context_length({}) is None
+
+
+def test_the_returned_loss_is_the_mean_cross_entropy_over_response_tokens():
+    """accumulate_gradients returns (and backpropagates) the mean next-token cross-entropy over the
+    batch's response and EOS tokens: the prompt tokens count neither in the sum nor in the count."""
+    tokenizer = task.build_tokenizer()
+    model = _tiny(tokenizer)
+    problems = task.make_problems(3, seed=4, min_difficulty=1, max_difficulty=3)
+    batch = sft.make_batch(tokenizer, problems, random.Random(0), sft.SFTConfig())
+    losses, targets = [], 0
+    with torch.no_grad():
+        for ids, labels in batch:
+            logprobs = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, :-1], -1)
+            for t, label in enumerate(labels[1:]):
+                if label != -100:
+                    losses.append(-logprobs[t, label].item())
+    prompt_tokens = sum(len(p["prompt"]) for p in problems)
+    assert len(losses) == sum(len(ids) for ids, _ in batch) - prompt_tokens  # the response and EOS, each once
+    loss = sft.accumulate_gradients(model, batch, 2, tokenizer.pad_token_id)
+    assert loss == pytest.approx(sum(losses) / len(losses), rel=1e-5)
+
