@@ -173,3 +173,39 @@ def test_the_returned_loss_is_the_mean_cross_entropy_over_response_tokens():
     loss = sft.accumulate_gradients(model, batch, 2, tokenizer.pad_token_id)
     assert loss == pytest.approx(sum(losses) / len(losses), rel=1e-5)
 
+
+def test_the_learning_rate_warms_up_linearly_then_falls_by_a_cosine_to_a_tenth():
+    cfg = sft.SFTConfig(steps=110, warmup_steps=10)
+    factors = [sft._lr_factor(step, cfg) for step in range(cfg.steps)]
+    assert factors[:10] == pytest.approx([(s + 1) / 10 for s in range(10)])  # the first step already moves
+    assert factors[10] == pytest.approx(1.0)
+    assert factors[60] == pytest.approx(0.1 + 0.9 * 0.5)  # half way through the cosine
+    assert sft._lr_factor(cfg.steps, cfg) == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(factors[10:], factors[11:]))
+
+
+def test_each_sft_step_starts_from_no_gradient_clips_at_max_grad_norm_and_draws_from_the_seed(tmp_path, monkeypatch):
+    """train_sft: every step's gradient is its own batch's (none left from the step before), clipped
+    at cfg.max_grad_norm; the training problems come from cfg.seed."""
+    tokenizer = task.build_tokenizer()
+    seen, norms = [], []
+    accumulate, clip = sft.accumulate_gradients, torch.nn.utils.clip_grad_norm_
+
+    def accumulate_spy(model, batch, micro_batch_size, pad_id):
+        assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+        seen.append([ids for ids, _ in batch])
+        return accumulate(model, batch, micro_batch_size, pad_id)
+
+    monkeypatch.setattr(sft, "accumulate_gradients", accumulate_spy)
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_",
+                        lambda params, max_norm: norms.append(max_norm) or clip(params, max_norm))
+    batches = {}
+    for seed in (0, 1):
+        seen.clear()
+        cfg = sft.SFTConfig(out_dir=str(tmp_path / str(seed)), seed=seed, steps=2, batch_size=2, micro_batch_size=2,
+                            max_difficulty=2, max_grad_norm=0.25)
+        sft.train_sft(cfg, model=_tiny(tokenizer), tokenizer=tokenizer)
+        batches[seed] = list(seen)
+    assert len(batches[0]) == 2 and batches[0] != batches[1]
+    assert norms == [0.25] * 4
+
