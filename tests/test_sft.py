@@ -184,6 +184,16 @@ def test_the_learning_rate_warms_up_linearly_then_falls_by_a_cosine_to_a_tenth()
     assert all(a >= b for a, b in zip(factors[10:], factors[11:]))
 
 
+def test_training_problems_cover_the_difficulty_range_favouring_short_ones():
+    """sample_problems draws k in [min, max], both ends included, with weight k^-length_bias."""
+    cfg = sft.SFTConfig(batch_size=6000, min_difficulty=2, max_difficulty=5, length_bias=1.0)
+    ks = [p["difficulty"] for p in sft.sample_problems(random.Random(0), cfg)]
+    weights = {k: 1 / k for k in range(2, 6)}
+    for k, w in weights.items():
+        assert ks.count(k) / len(ks) == pytest.approx(w / sum(weights.values()), abs=0.02), k
+    assert set(ks) == set(weights)
+
+
 def test_each_sft_step_starts_from_no_gradient_clips_at_max_grad_norm_and_draws_from_the_seed(tmp_path, monkeypatch):
     """train_sft: every step's gradient is its own batch's (none left from the step before), clipped
     at cfg.max_grad_norm; the training problems come from cfg.seed."""
@@ -209,3 +219,13 @@ def test_each_sft_step_starts_from_no_gradient_clips_at_max_grad_norm_and_draws_
     assert len(batches[0]) == 2 and batches[0] != batches[1]
     assert norms == [0.25] * 4
 
+
+def test_the_report_groups_difficulties_in_buckets_of_four_from_one():
+    """by_difficulty: k = 1..4 in "1-4", 5..8 in "5-8" (k = 4 and k = 5 on either side of the edge)."""
+    rows = []
+    for k in (4, 5):
+        p = task.make_problems(1, seed=k, min_difficulty=k, max_difficulty=k)[0]
+        full = task.full_response(p)
+        rows.append((p, task.parse_response(p["prompt"], full), True, len(full), False))
+    report = sft.summarize(rows)
+    assert {d: v["n"] for d, v in report["by_difficulty"].items()} == {"1-4": 1, "5-8": 1}
