@@ -161,7 +161,7 @@ def test_the_returned_loss_is_the_mean_cross_entropy_over_response_tokens():
     model = _tiny(tokenizer)
     problems = task.make_problems(3, seed=4, min_difficulty=1, max_difficulty=3)
     batch = sft.make_batch(tokenizer, problems, random.Random(0), sft.SFTConfig())
-    losses, targets = [], 0
+    losses = []
     with torch.no_grad():
         for ids, labels in batch:
             logprobs = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, :-1], -1)
