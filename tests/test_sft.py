@@ -229,3 +229,32 @@ def test_the_report_groups_difficulties_in_buckets_of_four_from_one():
         rows.append((p, task.parse_response(p["prompt"], full), True, len(full), False))
     report = sft.summarize(rows)
     assert {d: v["n"] for d, v in report["by_difficulty"].items()} == {"1-4": 1, "5-8": 1}
+
+
+def test_every_setting_of_the_sft_model_is_in_its_cache_key_and_a_retrained_one_drops_the_old_key(tmp_path,
+                                                                                                 monkeypatch):
+    """sft_settings holds every SFTConfig field but where it is written and how batches are split
+    (SFT_MAY_CHANGE): a pi_SFT of another seed or mix is not reused. Training into a directory drops
+    its old settings.json first: killed before the new one is written, it holds none, never the old."""
+    from dataclasses import fields, replace
+
+    base = sft.SFTConfig()
+    for f in fields(sft.SFTConfig):
+        if f.name not in sft.SFT_MAY_CHANGE:  # every other field is a number
+            other = replace(base, **{f.name: getattr(base, f.name) + 1})
+            assert sft.sft_settings(other) != sft.sft_settings(base), f.name
+    assert sft.SFT_MAY_CHANGE == ("out_dir", "micro_batch_size")
+    assert sft.sft_settings(replace(base, out_dir="elsewhere", micro_batch_size=1)) == sft.sft_settings(base)
+
+    class Killed(Exception):
+        pass
+
+    def killed(*args):
+        raise Killed
+
+    (tmp_path / "settings.json").write_text(json.dumps(sft.sft_settings(base)))
+    monkeypatch.setattr(sft, "write_json", killed)
+    cfg = sft.SFTConfig(out_dir=str(tmp_path), steps=1, batch_size=1, micro_batch_size=1, max_difficulty=1)
+    with pytest.raises(Killed):
+        sft.train_sft(cfg, model=_tiny(task.build_tokenizer()))
+    assert (tmp_path / "config.json").exists() and not (tmp_path / "settings.json").exists()
