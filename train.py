@@ -48,6 +48,7 @@ from support.vllm_rollout import VLLMRollout
 from value_pretrain import check_rerun, prepare_value_critic
 from reward import Grader
 
+
 def policy_forward(actor, batch, temperature: float, with_entropy: bool = False, chunk_tokens: int | None = None,
                    entropy_grad: bool = True):
     """log pi(y_t | s_t) for every response token (and the entropy), recomputed by the trained model.
