@@ -224,9 +224,10 @@ def test_the_tiny_model_is_drawn_from_its_own_seed_and_has_the_positions_asked_f
     which it leaves untouched; other weights for another seed. max_position_embeddings is the
     context it is given."""
     import torch
+    from torch.nn.utils import parameters_to_vector
 
     def weights(model):
-        return torch.cat([p.detach().flatten() for p in model.parameters()])
+        return parameters_to_vector(model.parameters()).detach()
 
     torch.manual_seed(123)
     state = torch.random.get_rng_state()
