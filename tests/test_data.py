@@ -58,6 +58,8 @@ def test_chat_template_is_applied_with_generation_prompt(tmp_path):
     ({"prompt": "x"}, "missing field 'answer'"),
     ({"prompt": "   ", "answer": "1"}, "empty or non-text prompt"),
     ({"prompt": "x", "answer": ""}, "empty answer in field 'answer'"),
+    ({"prompt": "x", "answer": " \t "}, "empty answer in field 'answer'"),  # blank is empty too: no gold to grade by
+    ({"prompt": "x", "answer": True}, "the answer in field 'answer' is a bool, not text or a number"),  # not the text "True"
     ({"prompt": "x", "answer": [{"role": "assistant", "content": "2"}]},
      "the answer in field 'answer' is a list, not text or a number \\(chat messages"),
     ([1, 2], "expected an object"),
@@ -230,6 +232,10 @@ def test_a_line_cut_short_is_reported_at_its_real_column(tmp_path):
     path.write_text(json.dumps(GOOD[1]) + "\n" + '{"prompt": "x", "answer": y}\n')
     with pytest.raises(DataError, match=r"d\.jsonl:2: malformed JSON \(Expecting value: column 27 of 28\)"):
         load_records(path, char_tokenizer())
+    path.write_text(json.dumps(GOOD[1]) + "\n" + '{"prompt": "x", "answer": "2\n')  # the closing quote lost
+    with pytest.raises(DataError, match=r"d\.jsonl:2: malformed JSON \(Unterminated string starting at: column 27 of "
+                                        r"28, cut short\?\)"):
+        load_records(path, char_tokenizer())
 
 
 def test_task_difficulty_draws_the_built_in_problems_from_its_range_and_keeps_pi_sft():
@@ -345,9 +351,10 @@ def test_chat_messages_need_a_user_turn_and_a_chat_template(tmp_path):
                                         r"\(roles: system\)"):
         load_records(path, char_tokenizer(TEMPLATE))
     assert load_records(path, char_tokenizer(TEMPLATE), on_error="skip")[1].skipped_malformed == 1
-    write_jsonl(path, [{"prompt": [{"role": "user", "text": "x"}], "answer": "1"}])
-    with pytest.raises(DataError, match="neither text nor a list of chat messages"):
-        load_records(path, char_tokenizer(TEMPLATE))
+    for prompt in ([{"role": "user", "text": "x"}], []):  # an empty list is no messages either
+        write_jsonl(path, [{"prompt": prompt, "answer": "1"}])
+        with pytest.raises(DataError, match="neither text nor a list of chat messages"):
+            load_records(path, char_tokenizer(TEMPLATE))
     write_jsonl(path, [{"prompt": [{"role": "user", "content": "1+1="}], "answer": "2"}])
     with pytest.raises(DataError, match=r"d\.jsonl:1: chat-message prompts need a tokenizer with a chat template"):
         load_records(path, char_tokenizer(), on_error="skip")  # the tokenizer's fault: never skipped
@@ -431,6 +438,10 @@ def test_one_json_value_over_several_lines_is_named_not_taken_for_a_line_cut_sho
     (tmp_path / "d.jsonl").write_text('{\n"prompt": "x", "answer": \n')  # malformed: still named by its line
     with pytest.raises(DataError, match=r"d\.jsonl:1: malformed JSON"):
         load_records(tmp_path / "d.jsonl", char_tokenizer())
+    # Windows tools write a byte-order mark first: the file is still one object, not a line cut short.
+    (tmp_path / "d.json").write_bytes(b"\xef\xbb\xbf" + json.dumps({"data": GOOD}, indent=2).encode())
+    with pytest.raises(DataError, match=r"d\.json: one JSON object over several lines \(keys: data\)"):
+        load_records(tmp_path / "d.json", char_tokenizer())
 
 
 def test_a_prompt_of_no_tokens_is_a_bad_record_not_a_failed_rollout(tmp_path):
@@ -530,6 +541,7 @@ def test_a_prompt_limit_below_the_built_in_tasks_prompts_is_refused():
 
     with pytest.raises(DataError, match=r"the built-in task's prompts take up to 10 tokens, over --max-prompt-tokens 6"):
         prepare_data(parse_config(["--max-prompt-tokens", "6"]), task.build_tokenizer())
+    prepare_data(parse_config(["--max-prompt-tokens", "10"]), task.build_tokenizer())  # exactly fits: no error
 
 
 def test_responses_past_the_built_in_models_positions_are_refused():
@@ -639,3 +651,74 @@ def test_a_prompt_templated_already_is_refused_or_counted_not_templated_twice(tm
     bos_first = _bos_tokenizer("{{ bos_token }}{% for m in messages %}[INST]{{ m['content'] }}{% endfor %}")
     html = write_jsonl(tmp_path / "h.jsonl", [{"prompt": "In <s>old</s> new, what is 1+1?", "answer": "2"}])
     assert len(load_records(html, bos_first)[0]) == 1  # the BOS a template writes is no mark: `<s>` is HTML too
+
+
+def test_file_suffixes_in_capitals_are_data_and_a_folder_named_like_a_file_is_not(tmp_path):
+    """Windows tools write TRAIN.JSONL and Data.Parquet: a folder of them was "a folder with no .jsonl,
+    .json, .parquet file" although load_records reads any case. A folder named `old.jsonl` that a glob
+    matches is not a file to read."""
+    from support.data import data_files
+
+    write_jsonl(tmp_path / "A.JSONL", GOOD[:2])
+    pd.DataFrame(GOOD[2:3]).to_parquet(tmp_path / "B.Parquet")
+    (tmp_path / "old.jsonl").mkdir()
+    files = [tmp_path / "A.JSONL", tmp_path / "B.Parquet"]
+    assert data_files(tmp_path) == files and data_files(f"{tmp_path}/*") == files
+    records, _ = load_records(f"{tmp_path}/*", char_tokenizer())
+    assert [(r["prompt"], r["data_source"]) for r in records] == [("1+1=", "A"), ("half of 1?", "A"), ("3*3", "B")]
+
+
+def test_a_math_solution_ending_in_a_heading_with_its_boxed_answer_is_graded_by_the_box():
+    """GSM8K's mark is `####` on the last line, but so is a Markdown heading: a last line
+    `#### Answer: $\\boxed{5}$` is a MATH solution (it has a box), kept as written for the grader,
+    not a GSM8K answer whose number `5` sits inside braces."""
+    from support.data import gold_answer
+
+    solution = "Add 2 and 3.\n#### Answer: $\\boxed{5}$"
+    assert gold_answer(solution, None) == solution
+
+
+def test_a_json_array_after_blank_space_and_a_flattened_dotted_column_load(tmp_path):
+    """A .json array that starts with a newline or spaces was read as JSON lines ("expected an object,
+    got list"). pandas' json_normalize writes verl's nested ground truth as one column named
+    `reward_model.ground_truth`: the dotted key names that column, not a struct `reward_model`."""
+    (tmp_path / "d.json").write_text("\n  " + json.dumps(GOOD, indent=2))
+    assert [r["prompt"] for r in load_records(tmp_path / "d.json", char_tokenizer())[0]] == [g["prompt"] for g in GOOD]
+    flat = pd.json_normalize([{"prompt": "1+1=", "reward_model": {"ground_truth": "2"}}])
+    assert list(flat.columns) == ["prompt", "reward_model.ground_truth"]
+    flat.to_parquet(tmp_path / "d.parquet")
+    records, _ = load_records(tmp_path / "d.parquet", char_tokenizer(), answer_key="reward_model.ground_truth")
+    assert [(r["prompt"], r["answer"]) for r in records] == [("1+1=", "2")]
+
+
+def test_the_last_user_turn_must_hold_the_question_and_no_turn_may_hold_a_template_mark(tmp_path):
+    """The policy answers the last user turn: an earlier user turn with text does not make a blank
+    last one a prompt. A chat template's mark in any turn (a system turn, not only the last) means the
+    messages were templated already."""
+    chat = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}, {"role": "user", "content": " "}]
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": chat, "answer": "2"}])
+    with pytest.raises(DataError, match=r"d\.jsonl:1: the last user turn of the chat messages in field 'prompt' is empty"):
+        load_records(path, char_tokenizer(TEMPLATE))
+    tok = char_tokenizer("{% for m in messages %}<|im_start|>{{ m['content'] }}{% endfor %}"
+                         "{% if add_generation_prompt %}<a>{% endif %}")
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
+    marked = [{"role": "system", "content": "<|im_start|>Be brief."}, {"role": "user", "content": "1+1="}]
+    path = write_jsonl(tmp_path / "e.jsonl", [{"prompt": marked, "answer": "2"}])
+    with pytest.raises(DataError, match=r"e\.jsonl:1: the prompt already holds '<\|im_start\|>'"):
+        load_records(path, tok)
+
+
+def test_a_data_source_that_is_not_text_falls_back_to_the_files_name(tmp_path):
+    """Held-out metrics are keyed by data source: a number (or an empty name) in the field is no set
+    name, so the record's set is its file's, as for a record without the field."""
+    rows = [{**GOOD[0], "data_source": 7}, {**GOOD[1], "data_source": ""}, {**GOOD[2], "data_source": "gsm8k"}]
+    records, _ = load_records(write_jsonl(tmp_path / "d.jsonl", rows), char_tokenizer())
+    assert [r["data_source"] for r in records] == ["d", "d", "gsm8k"]
+
+
+def test_the_held_out_count_is_rounded_not_cut_down():
+    """round(n * eval_fraction) records are held out (the docstring's rule): 7 records at 0.1 hold out
+    one (0.7 rounds to 1), where cutting down to 0 would leave a small set no held-out record."""
+    for n, fraction, want in ((7, 0.1, 1), (19, 0.1, 2), (10, 0.25, 2)):  # 0.7 -> 1, 1.9 -> 2, 2.5 -> 2 (half to even)
+        train, held_out = train_eval_split(_records(n), eval_fraction=fraction, seed=0)
+        assert len(held_out) == want and len(train) == n - want
