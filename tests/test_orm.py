@@ -71,6 +71,7 @@ def test_orm_loss_falls_and_save_load_round_trips(tmp_path, one_thread):
     last = sum(h["orm/loss"] for h in history[-8:]) / 8
     assert last < 0.5 * first, (first, last)
     assert all(p.grad is None for p in model.parameters())  # a trained ORM holds no gradients
+    assert not model.training  # and is left in eval mode for scoring: no dropout on a backbone that has it
     held_out, labels = _synthetic_batch(seed=99)
     scores = orm_scores(model, held_out)
     assert (torch.sign(scores) == labels).float().mean() >= 0.75
@@ -107,6 +108,49 @@ def test_train_orm_rejects_mismatched_outcomes(tmp_path, one_thread):
         train_orm(model, [batch, batch], [outcomes], steps=1, lr=1e-3)
     with pytest.raises(ValueError, match="loss must be"):  # not Bradley-Terry by default for a typo
         train_orm(model, [batch], [outcomes], steps=1, lr=1e-3, loss="MSE")
+    with pytest.raises(ValueError, match="outcome tensors"):  # nothing to train on
+        train_orm(model, [], [], steps=1, lr=1e-3)
+    batch.response_mask[2] = 0  # a response of no token: its "last token" would be the prompt's
+    with pytest.raises(ValueError, match=r"batches\[0\] holds an empty response"):
+        train_orm(model, [batch], [outcomes], steps=1, lr=1e-3)
+
+
+def test_orm_steps_report_the_gradient_norm_of_the_mean_loss_and_clip_to_max_grad_norm(tmp_path, one_thread):
+    """The loss is the mean over the batch's rows (summed, divided by the global count): its gradient
+    norm is what the step reports, and clip_grad_norm_ bounds it to max_grad_norm; at 0 the clipped
+    gradient is zero, so AdamW (no weight decay) moves no weight."""
+    import copy
+
+    from critic import _last_token_outputs
+
+    model = _tiny_value_model(tmp_path)
+    batch, outcomes = _synthetic_batch(seed=0, batch_size=8)
+    probe = copy.deepcopy(model)
+    ((_last_token_outputs(probe, batch) - outcomes) ** 2).mean().backward()
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in probe.parameters() if p.grad is not None]))
+    history = train_orm(model, [batch], [outcomes], steps=1, lr=1e-3)
+    assert history[0]["orm/grad_norm"] == pytest.approx(norm.item(), rel=1e-4)
+    frozen = copy.deepcopy(probe)
+    train_orm(frozen, [batch], [outcomes], steps=2, lr=1e-3, max_grad_norm=0.0)
+    assert all(torch.equal(a, b) for a, b in zip(frozen.parameters(), probe.parameters()))
+
+
+def test_the_cached_orm_is_keyed_by_every_setting_its_training_samples_and_steps_depend_on():
+    """The ORM is cached once and shared by runs: a run that samples it otherwise (more samples per prompt,
+    a higher temperature, longer responses) or trains it otherwise must not take the cached one."""
+    import dataclasses
+
+    from critic import orm_settings
+    from support.config import parse_config
+
+    cfg = parse_config(["--preset", "tiny"])
+    changes = {"orm_batches": 8, "orm_steps": 30, "orm_lr": 1e-4, "orm_loss": "bradley-terry", "prompts_per_step": 16,
+               "samples_per_prompt": 4, "max_new_tokens": 200, "temperature": 0.7, "top_p": 0.9,
+               "truncation_reward": 0.0, "task_train_size": 1000, "task_difficulty": (40, 44), "max_prompt_tokens": 256,
+               "eval_fraction": 0.2, "prompt_template": "{prompt} go", "answer_format": "math"}
+    for name, value in changes.items():
+        assert getattr(cfg, name) != value, name
+        assert orm_settings(dataclasses.replace(cfg, **{name: value})) != orm_settings(cfg), name
 
 
 def test_a_diverging_orm_stops_with_a_message_before_a_nan_step(tmp_path, one_thread):

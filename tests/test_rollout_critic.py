@@ -355,3 +355,47 @@ def test_critic_values_are_exactly_zero_on_the_padding_of_shorter_responses(poli
         raw = batch.response_slice(value_outputs(critic, **batch.model_inputs()))
     assert padding.sum() >= 8 and (raw[padding] != 0).all()  # the test has padding the head does not zero
     assert torch.equal(values[padding], torch.zeros_like(values[padding]))
+
+
+def test_a_fresh_value_head_is_drawn_from_its_seed(policy):
+    """load_value_model's seed gives the fresh head: the same seed the same head (every rank, a
+    resumed run), another seed another head (runs of other --seed start from other critics)."""
+    _, _, path = policy
+    one, again, other = (load_value_model(path, seed=s).score.weight for s in (1, 1, 2))
+    assert torch.equal(one, again) and not torch.equal(one, other)
+
+
+def test_an_offset_moves_every_value_of_a_trained_head_by_exactly_that_much(policy):
+    """--critic-init-offset adds to the head's bias, whatever it holds: an ORM's bias is not 0, so
+    setting the bias to the offset would move the values by some other amount."""
+    model, tokenizer, path = policy
+    batch = HFRollout(model, tokenizer).generate(prompts(tokenizer), max_new_tokens=6, seed=0)
+    critic = load_value_model(path)
+    with torch.no_grad():
+        critic.score.bias.fill_(0.3)  # as a trained reward model's head holds
+        before = response_values(critic, batch)
+        after = response_values(shift_values(critic, 0.5), batch)
+    mask = batch.response_mask.bool()
+    torch.testing.assert_close(after[mask], before[mask] + 0.5)
+    assert torch.allclose(critic.score.bias, torch.tensor(0.8))
+
+
+def test_critic_loss_regresses_the_values_onto_the_returns_and_clips_around_the_old_values(policy):
+    """Eq. (2) through critic_loss: with the returns equal to the critic's own values there is nothing to
+    learn without clipping; with old values 1 above, a clip of 0.2 holds the clipped value 0.8 above the
+    return, and max() takes that branch: 0.5 * 0.8^2 on every token."""
+    from types import SimpleNamespace
+
+    from critic import critic_loss
+
+    model, tokenizer, path = policy
+    batch = HFRollout(model, tokenizer).generate(prompts(tokenizer), max_new_tokens=6, seed=0)
+    critic = load_value_model(path)
+    with torch.no_grad():
+        values = response_values(critic, batch)
+    per_token = {"returns": values, "old_values": (values + 1.0) * batch.response_mask}
+    cfg = SimpleNamespace(loss_agg="token-mean")
+    plain, _ = critic_loss(critic, batch, per_token, None, cfg)
+    clipped, metrics = critic_loss(critic, batch, per_token, None, cfg, clip=0.2)
+    assert plain.item() == pytest.approx(0.0, abs=1e-10)
+    assert clipped.item() == pytest.approx(0.5 * 0.8 ** 2, rel=1e-5) and metrics["vf_clipfrac"].item() == 1.0
