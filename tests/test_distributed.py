@@ -236,6 +236,14 @@ def test_gpu_only_options_stop_with_a_message_on_a_cpu(flag):
         shard_model(tiny_actor()[1], **{flag: True})
 
 
+def test_gpu_only_options_are_accepted_where_there_is_a_gpu(monkeypatch):
+    """The refusal above is the CPU's: on a GPU (faked here) bf16 and offload are FSDP2's to honour."""
+    from fsdp_utils import check_gpu_options
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    check_gpu_options(mixed_precision=True, cpu_offload=True)  # no ValueError
+
+
 def test_a_process_on_a_gpu_keeps_cudnn_out_of_attention(monkeypatch):
     """cuDNN plans each new attention shape (~40 ms on an H200), and a run's shapes are new at every
     micro-batch and decoding step: init_distributed turns it off where it puts the process on a GPU.
@@ -408,6 +416,52 @@ def test_selective_checkpointing_and_compiled_layers_keep_the_parameter_names():
         shard_model(model, activation_checkpointing=True, checkpoint_fraction=0.0)
 
 
+def test_checkpoint_fraction_recomputes_the_nearest_share_of_the_layers_spread_evenly_and_at_least_one():
+    """checkpoint_fraction is a share of the decoder layers: the nearest whole number of them (0.6 of 3
+    layers is 2, not 1 cut down), spread over the stack (half of 4 is layers 0 and 2, not the first two),
+    and at least one when checkpointing is asked for (0.1 of 4 rounds to none)."""
+    from support.task import build_tokenizer, make_tiny_model
+
+    for layers, fraction, recomputed in ((4, 0.5, [True, False, True, False]), (3, 0.6, [True, True, False]),
+                                         (4, 0.1, [True, False, False, False])):
+        model = make_tiny_model(build_tokenizer(), num_layers=layers, seed=0)
+        shard_model(model, activation_checkpointing=True, checkpoint_fraction=fraction)
+        assert [layer.gradient_checkpointing for layer in model.model.layers] == recomputed, (layers, fraction)
+
+
+def test_a_model_whose_decoder_layers_are_not_listed_is_refused_not_sharded_whole():
+    """The layers come from the model's `_no_split_modules`: without them, FSDP2 would shard the root alone
+    (a whole model gathered at once), compile nothing and checkpoint every layer or none, in silence."""
+    _, model = tiny_actor()
+    model._no_split_modules = None
+    with pytest.raises(ValueError, match="shard_model: no decoder layers found in Qwen2ForCausalLM"):
+        shard_model(model, compile_layers=True)
+
+
+def test_exit_now_if_gloo_skips_shutdown_only_after_gloo_and_never_where_vllm_ran(monkeypatch):
+    """os._exit skips atexit and flushing by the interpreter: right after gloo's collectives (their threads
+    abort shutdown), wrong in a process without them, and wrong where vLLM ran (its shared-memory
+    segments are removed at a normal exit only)."""
+    import sys
+    import types
+
+    import fsdp_utils
+
+    exits = []
+    monkeypatch.setattr(fsdp_utils.os, "_exit", exits.append)
+    monkeypatch.delitem(sys.modules, "vllm", raising=False)
+    monkeypatch.setattr(fsdp_utils, "_gloo_threads", False)
+    fsdp_utils.exit_now_if_gloo(3)
+    assert exits == []  # no gloo: an ordinary exit
+    monkeypatch.setattr(fsdp_utils, "_gloo_threads", True)
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    fsdp_utils.exit_now_if_gloo(3)
+    assert exits == []  # vLLM ran here
+    monkeypatch.delitem(sys.modules, "vllm")
+    fsdp_utils.exit_now_if_gloo(3)
+    assert exits == [3]
+
+
 def test_memory_plan_host_constants_are_the_codes():
     import inspect
 
@@ -458,3 +512,17 @@ def test_the_update_recomputes_activations_only_with_activation_checkpointing(ch
     update_model(cfg, model, torch.optim.SGD(model.parameters(), lr=0.0), batch, per_token, train.actor_loss,
                  seed=0, prefix="actor")
     assert len(calls) == (2 if checkpointing else 1) and not model.training
+
+
+def test_every_sharding_setting_of_a_run_reaches_shard_model():
+    """shard_options carries each sharding flag of the config into shard_model: one dropped there would
+    leave the run, in silence, without it (layers not compiled, every layer recomputed)."""
+    import inspect
+    from types import SimpleNamespace
+
+    from fsdp_utils import shard_options
+
+    cfg = SimpleNamespace(mixed_precision=True, activation_checkpointing=True, cpu_offload=True,
+                          checkpoint_fraction=0.25, compile_layers=True)
+    assert shard_options(cfg) == vars(cfg)
+    assert set(shard_options(cfg)) <= set(inspect.signature(shard_model).parameters)  # each one a shard_model option
