@@ -499,6 +499,12 @@ def test_held_out_sets_named_alike_are_reported_apart_each_with_its_own_answer_f
     assert "reported apart: test -> gsm8k/test, test -> math500/test" in capsys.readouterr().out
     cfg.val_data, cfg.val_prompt_key = (str(tmp_path / "gsm8k" / "test.jsonl"),) * 2, ("question",)  # one folder, one key
     assert [r["data_source"] for r in prepare_data(cfg, char_tokenizer())[1]] == ["test#1", "test#2"]
+    # Named alike but not side by side in --val-data: the first and the third value.
+    (tmp_path / "extra").mkdir()
+    write_jsonl(tmp_path / "extra" / "hard.jsonl", [{"question": "3+3?", "answer": "#### 6"}])
+    cfg.val_data = (str(tmp_path / "gsm8k" / "test.jsonl"), str(tmp_path / "extra" / "hard.jsonl"), str(tmp_path / "math500"))
+    cfg.val_prompt_key = ("question", "question", "problem")
+    assert [r["data_source"] for r in prepare_data(cfg, char_tokenizer())[1]] == ["gsm8k/test", "hard", "math500/test"]
 
 
 def test_held_out_problems_of_the_built_in_task_that_are_also_training_problems_are_said(capsys):
@@ -556,6 +562,8 @@ def test_responses_past_the_built_in_models_positions_are_refused():
         with pytest.raises(DataError, match=rf"the built-in model holds 1024 positions, .* ask for {asked}; at most "
                                             rf"1014 new tokens"):
             prepare_data(parse_config([flag, str(asked - 10)]), tokenizer)
+    # A --model of its own on the built-in task: its positions are its config's, not the built-in model's.
+    prepare_data(parse_config(["--model", "m", "--max-new-tokens", "1015"]), tokenizer)
 
 
 def test_a_chat_template_that_refuses_the_messages_and_an_empty_user_turn_stop_in_one_line(tmp_path):
