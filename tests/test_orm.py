@@ -289,6 +289,25 @@ def test_bradley_terry_ranks_right_above_wrong_and_trains_only_score_differences
     assert shifted[0]["orm/loss"] < 0.3 and unshifted[0]["orm/loss"] > 10  # MSE sees the +5, BT does not
 
 
+def test_orm_quality_judges_the_complete_responses_apart_from_all_of_them(tmp_path, one_thread):
+    """quality.json's "complete" part holds only the responses that ended with EOS ("stop"), as a reward
+    model is trained on; "all" holds the cut ones ("length") too."""
+    import dataclasses
+
+    from critic import orm_quality, roc_auc
+
+    model = _tiny_value_model(tmp_path)
+    batch, labels = _synthetic_batch(seed=5, batch_size=8)  # labels +1, -1, +1, ...
+    finished = ["stop", "stop", "length", "length"] * 2
+    batch = dataclasses.replace(batch, finish_reasons=finished)
+    quality = orm_quality(model, [SimpleNamespace(batch=batch, outcomes=labels)])
+    assert quality["all"]["responses"] == 8 and quality["complete"]["responses"] == 4
+    assert quality["complete"]["correct"] == 2  # rows 0, 1, 4, 5: +1, -1, +1, -1
+    keep = torch.tensor([f == "stop" for f in finished])
+    scores = orm_scores(model, batch)
+    assert quality["complete"]["auc"] == roc_auc(scores[keep].numpy(), labels[keep].numpy() > 0)
+
+
 def test_bradley_terry_without_a_right_and_a_wrong_answer_to_one_prompt_is_a_clear_error(tmp_path, one_thread):
     from support.config import ConfigError
 
