@@ -526,3 +526,22 @@ def test_every_sharding_setting_of_a_run_reaches_shard_model():
                           checkpoint_fraction=0.25, compile_layers=True)
     assert shard_options(cfg) == vars(cfg)
     assert set(shard_options(cfg)) <= set(inspect.signature(shard_model).parameters)  # each one a shard_model option
+
+
+def test_one_cpu_process_without_torchrun_joins_no_process_group(monkeypatch):
+    """Only a GPU gets a group of one rank (launch_as_one_rank); one process on the CPU is the plain
+    single process: no torchrun environment set, no gloo group, every collective the identity."""
+    import torch.distributed as dist
+
+    import fsdp_utils
+
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    try:
+        info = fsdp_utils.init_distributed()
+        assert info == fsdp_utils.DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+        assert "RANK" not in os.environ and not dist.is_initialized()
+    finally:
+        if dist.is_initialized():  # left by a broken init_distributed: not for the next test
+            dist.destroy_process_group()
