@@ -659,6 +659,10 @@ def test_a_prompt_templated_already_is_refused_or_counted_not_templated_twice(tm
     bos_first = _bos_tokenizer("{{ bos_token }}{% for m in messages %}[INST]{{ m['content'] }}{% endfor %}")
     html = write_jsonl(tmp_path / "h.jsonl", [{"prompt": "In <s>old</s> new, what is 1+1?", "answer": "2"}])
     assert len(load_records(html, bos_first)[0]) == 1  # the BOS a template writes is no mark: `<s>` is HTML too
+    tools = char_tokenizer(TEMPLATE)
+    tools.add_special_tokens({"additional_special_tokens": ["<tool>"]})  # a special token the template never writes
+    mention = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "What does <tool> do? 1+1=", "answer": "2"}])
+    assert len(load_records(mention, tools)[0]) == 1  # no mark of the template: not templated already
 
 
 def test_file_suffixes_in_capitals_are_data_and_a_folder_named_like_a_file_is_not(tmp_path):
