@@ -315,3 +315,17 @@ def test_bradley_terry_without_a_right_and_a_wrong_answer_to_one_prompt_is_a_cle
     batch, _ = _synthetic_batch(seed=0, batch_size=4)
     with pytest.raises(ConfigError, match="no pair to rank; raise --orm-batches or --samples-per-prompt"):
         train_orm(model, [batch], [-torch.ones(4)], steps=1, lr=1e-3, loss="bradley-terry")
+
+
+def test_a_run_with_a_model_of_its_own_keeps_its_orm_apart():
+    """The built-in task's ORM is shared by its runs; a run with --model has its own, named after the run
+    (orm-<run name>, orm-bt-<run name> for Bradley-Terry): another run's model and data are not its."""
+    import dataclasses
+    import os
+
+    from critic import orm_path
+    from support.config import parse_config
+
+    a, b = (parse_config(["--model", "m", "--run-name", name]) for name in ("a", "b"))
+    assert orm_path(a).endswith(os.path.join("_shared", "orm-a")) and orm_path(b).endswith(os.path.join("_shared", "orm-b"))
+    assert orm_path(dataclasses.replace(a, orm_loss="bradley-terry")).endswith(os.path.join("_shared", "orm-bt-a"))
