@@ -37,6 +37,7 @@ def test_decode_steps_give_the_logits_of_model_forward_also_after_rows_are_dropp
             if t == 2:  # row 1 stops: the others go on without it
                 rows = torch.tensor([0, 2])
                 decoder.keep(torch.tensor([0, 2]))
+                assert torch.equal(decoder.logits, steps[-1][[0, 2]])  # the last logits of the rows kept
             steps.append(torch.zeros_like(steps[0]).index_copy(0, rows, decoder.step(forced[rows, t])))
     logits = torch.stack(steps, 1)
     assert torch.allclose(logits[[0, 2]], reference[[0, 2]], atol=1e-4)
@@ -126,7 +127,8 @@ def test_other_model_families_decode_with_their_causal_and_padding_masks_as_gene
     """Llama (unlike Qwen2) builds its masks from whatever it is passed: given the {layer type: mask}
     mapping, it found no mask function for the registered attention and attended to every position,
     future and padding ones included (greedy tokens differed even for one unpadded prompt); GPT-2
-    (learned positions) failed at the first step."""
+    (learned positions) failed at the first step. Llama's 4 query heads share 2 key/value heads: with one
+    (the tiny Qwen2's) SDPA broadcasts it to every head, so attention without `enable_gqa` went unseen."""
     import transformers
 
     _, tokenizer = policy
@@ -135,7 +137,7 @@ def test_other_model_families_decode_with_their_causal_and_padding_masks_as_gene
     with torch.random.fork_rng():
         torch.manual_seed(0)
         model = (transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+            hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             **ids)) if architecture == "Llama" else
             transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=64, n_layer=2, n_head=2, **ids))).eval()
     prompts = [tokenizer(t)["input_ids"] for t in PROMPTS]
