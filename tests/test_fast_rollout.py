@@ -326,3 +326,17 @@ def test_top_p_keeps_the_nucleus_of_transformers_top_p_warper_and_always_the_mos
         assert sorted(set(tokens.tolist())) == kept, top_p
         assert torch.allclose(logprobs, logits[0].log_softmax(-1)[tokens])  # of the untruncated distribution
     assert kept == [2]
+
+
+def test_a_token_whose_mass_is_exactly_the_top_p_remainder_is_dropped_as_transformers_does():
+    """TopPLogitsWarper drops the least likely tokens whose total mass is <= 1 - top_p, the boundary
+    included. Four equally likely tokens (exactly 0.25 each in float32) and top_p 0.5: the two least
+    likely sum to exactly 0.5, so two tokens are kept, not three (a strict < keeps three)."""
+    from transformers import TopPLogitsWarper
+
+    from support.fast_rollout import sample_tokens
+
+    logits = torch.zeros(4000, 4)
+    kept = torch.isfinite(TopPLogitsWarper(0.5)(None, logits[:1].clone())[0]).sum().item()
+    tokens, _ = sample_tokens(logits, 1.0, 0.5, torch.Generator().manual_seed(0))
+    assert kept == 2 and len(set(tokens.tolist())) == kept
