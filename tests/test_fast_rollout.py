@@ -340,3 +340,21 @@ def test_a_token_whose_mass_is_exactly_the_top_p_remainder_is_dropped_as_transfo
     kept = torch.isfinite(TopPLogitsWarper(0.5)(None, logits[:1].clone())[0]).sum().item()
     tokens, _ = sample_tokens(logits, 1.0, 0.5, torch.Generator().manual_seed(0))
     assert kept == 2 and len(set(tokens.tolist())) == kept
+
+
+@pytest.mark.parametrize("engine", [HFRollout, FastHFRollout])
+def test_a_model_in_training_mode_samples_without_dropout_and_is_left_in_training_mode(engine):
+    """Rollouts sample from the model in eval mode (dropout off: the log-probs are the deterministic
+    policy's, which PPO recomputes) and hand it back as they found it, in training mode for the update.
+    Attention dropout of 0.5 makes any forward in training mode visibly different."""
+    tokenizer, model = tiny_actor()
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.5
+    prompts = [tokenizer(t)["input_ids"] for t in PROMPTS]
+    expected = engine(model.eval(), tokenizer).generate(prompts, 12, temperature=0)
+    model.train()
+    torch.manual_seed(0)  # the dropout draws, were they made
+    batch = engine(model, tokenizer).generate(prompts, 12, temperature=0)
+    assert model.training
+    assert torch.equal(batch.response_ids, expected.response_ids)
+    assert torch.allclose(batch.logprobs, expected.logprobs, atol=1e-5)
