@@ -358,3 +358,26 @@ def test_a_model_in_training_mode_samples_without_dropout_and_is_left_in_trainin
     assert model.training
     assert torch.equal(batch.response_ids, expected.response_ids)
     assert torch.allclose(batch.logprobs, expected.logprobs, atol=1e-5)
+
+
+def test_decoding_stops_when_every_row_has_stopped_unless_another_rank_still_decodes(monkeypatch):
+    """Alone, the loop runs no forward after its last row stops (width - 1 steps after the prompt's).
+    When another rank's rows still go (any_rank says so), FSDP's all-gathers must pair up: this rank
+    steps on to max_new_tokens with one row, unrecorded, and its batch is the one it decodes alone.
+    tiny_actor stops greedily after a "7"; both prompts stop well within 24 tokens."""
+    from support import fast_rollout
+
+    tokenizer, model = tiny_actor()
+    prompts = [tokenizer(t)["input_ids"] for t in ["+17+7", "+40+47"]]
+    rows, step = [], fast_rollout.Decoder.step
+    monkeypatch.setattr(fast_rollout.Decoder, "step", lambda self, tokens: rows.append(len(tokens)) or step(self, tokens))
+    alone = FastHFRollout(model, tokenizer).generate(prompts, 24, temperature=0)
+    assert alone.finish_reasons == ["stop", "stop"] and alone.response_ids.shape[1] < 24
+    assert len(rows) == alone.response_ids.shape[1] - 1
+    rows.clear()
+    monkeypatch.setattr(fast_rollout, "any_rank", lambda flag: True)
+    synced = FastHFRollout(model, tokenizer).generate(prompts, 24, temperature=0)
+    assert len(rows) == 23 and min(rows) == 1
+    for name in ("response_ids", "response_mask", "logprobs"):
+        assert torch.equal(getattr(synced, name), getattr(alone, name))
+    assert synced.finish_reasons == alone.finish_reasons
