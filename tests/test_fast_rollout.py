@@ -381,3 +381,30 @@ def test_decoding_stops_when_every_row_has_stopped_unless_another_rank_still_dec
     for name in ("response_ids", "response_mask", "logprobs"):
         assert torch.equal(getattr(synced, name), getattr(alone, name))
     assert synced.finish_reasons == alone.finish_reasons
+
+
+@pytest.mark.parametrize("layer_1", ["makes its own mask", "attends by its own function"])
+def test_a_model_one_layer_of_which_ignores_the_mask_given_is_refused_at_start(layer_1):
+    """The start-up probe checks every layer: one layer that builds its own 4D mask (of the shape of
+    the probe's, which a one-token causal mask has) or attends by a function of its own (here the
+    model's own SDPA, not the registered attention) would sample from other logits, though the
+    layer before it takes the mask as given."""
+    tokenizer, model = tiny_actor()
+    attention = model.model.layers[1].self_attn
+    forward = attention.forward
+
+    def own(*args, **kwargs):
+        if layer_1 == "makes its own mask":
+            return forward(*args, **{**kwargs, "attention_mask": torch.zeros_like(kwargs["attention_mask"])})
+        before, model.config._attn_implementation = model.config._attn_implementation, "sdpa"
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            model.config._attn_implementation = before
+
+    attention.forward = own
+    with pytest.raises(ValueError, match="builds its own: use --rollout hf"):
+        FastHFRollout(model.eval(), tokenizer)
+    attention.forward = forward  # the same model, every layer given the mask: accepted
+    FastHFRollout(model, tokenizer)
+
