@@ -408,3 +408,8 @@ def test_a_model_one_layer_of_which_ignores_the_mask_given_is_refused_at_start(l
     attention.forward = forward  # the same model, every layer given the mask: accepted
     FastHFRollout(model, tokenizer)
 
+
+def test_max_new_tokens_below_one_is_refused_with_its_name(policy):
+    model, tokenizer = policy
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1, got 0"):
+        FastHFRollout(model, tokenizer).generate([tokenizer("+21=\n")["input_ids"]], 0)
