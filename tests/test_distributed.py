@@ -490,6 +490,82 @@ def test_memory_plan_host_per_node_holds_read_buffers_not_whole_models():
     assert at_16.startswith("at 16 GPUs (2 nodes of 8)") and "(fits)" in at_16 and "host" in at_16
 
 
+def test_memory_plan_largest_tensor_is_the_real_models_largest():
+    """The DCP save and export rows stage the largest tensor: an MLP matrix when the vocabulary is
+    smaller than the MLP's width (the tiny task model's), not the embedding."""
+    from support.memory_plan import ModelShape
+
+    _, model = tiny_actor()
+    shape = ModelShape.from_config(model.config)
+    assert shape.intermediate > shape.vocab
+    assert shape.largest_tensor == max(p.numel() for p in model.parameters())
+
+
+def test_memory_plan_gpu_rows_follow_precision_offload_reference_critic_and_tensor_parallelism():
+    """Each option against the same plan without it, from the rows' own definitions: fp32 compute
+    doubles the gathered layers; CPU offload leaves no sharded state on the GPU; the frozen reference
+    policy is resident in both phases like the actor; the gradients are the larger model's; vLLM's
+    bf16 weights are split by tensor parallelism; a logits chunk longer than the micro-batch is none."""
+    from support.memory_plan import GIB, QWEN25_1_5B, QWEN25_32B, QWEN25_7B, plan
+
+    def rows(shape=QWEN25_32B, world_size=16, **options):
+        return {name: (rollout, training) for name, rollout, training in plan(shape, world_size, **options).rows}
+
+    base = rows()
+    gathered = "gathered layers (2 decoder layers)"
+    assert rows(mixed_precision=False)[gathered][1] == 2 * base[gathered][1] > 0
+    offloaded = rows(cpu_offload=True)
+    for name in ("actor parameters (fp32, sharded)", "actor AdamW states (2 x fp32, sharded)",
+                 "critic parameters (fp32, sharded)", "critic AdamW states (2 x fp32, sharded)",
+                 "gradients of one model (fp32, sharded)"):
+        assert base[name][1] > 0 and offloaded[name] == (0.0, 0.0), name
+    assert rows(reference_policy=True)["reference policy parameters (fp32, sharded)"] == \
+        base["actor parameters (fp32, sharded)"]
+    larger_critic = rows(QWEN25_1_5B, 8, critic=QWEN25_7B)
+    assert larger_critic["gradients of one model (fp32, sharded)"][1] == larger_critic["critic parameters (fp32, sharded)"][1]
+    for tp in (1, 4):
+        weights = rows(tensor_parallel_size=tp)["vLLM weights (bf16 / tensor parallel)"][0]
+        assert weights == pytest.approx(QWEN25_32B.params() * 2 / tp / GIB)
+    activations = "activations of one micro-batch (actor/critic max)"
+    assert rows(micro_batch_tokens=4096, logits_chunk_tokens=8192)[activations] == rows(micro_batch_tokens=4096)[activations]
+    with pytest.raises(ValueError, match="gpu_memory_utilization must lie in"):
+        plan(QWEN25_32B, 16, gpu_memory_utilization=1.0)  # nothing would be left to train in
+
+
+def test_memory_plan_activations_keep_every_layer_without_checkpointing_and_one_at_least_with_it():
+    """Without checkpointing every layer keeps its activations and nothing is recomputed; with it, a
+    checkpointed layer keeps only its input and the one being recomputed holds its activations and
+    their gradients; fsdp_utils.shard_model checkpoints one layer at least, however small the share."""
+    from support.memory_plan import GIB, LOGITS_BYTES, QWEN25_7B as shape, plan
+
+    tokens = 4096
+    per_layer = shape.activation_elements_per_token() * tokens * 2  # bf16
+    logits = tokens * shape.vocab * LOGITS_BYTES
+
+    def actor(**options):
+        p = plan(shape, 8, micro_batch_tokens=tokens, with_critic=False, **options)
+        return dict((name, training) for name, _, training in p.rows)["activations of one micro-batch (actor/critic max)"]
+
+    assert actor(activation_checkpointing=False) == pytest.approx((shape.layers * per_layer + logits) / GIB)
+    everything = shape.layers * shape.hidden * tokens * 2 + 2 * per_layer
+    assert actor() == pytest.approx((everything + logits) / GIB)
+    one = shape.hidden * tokens * 2 + (shape.layers - 1) * per_layer + 2 * per_layer
+    assert actor(checkpoint_fraction=0.001) == actor(checkpoint_fraction=1 / shape.layers) == \
+        pytest.approx((one + logits) / GIB)
+
+
+def test_memory_plan_a_node_holds_the_ranks_it_runs_and_a_part_filled_node_counts():
+    """Fewer GPUs than a node: the node holds those ranks' read buffers (4, not 8); 12 GPUs in nodes
+    of 8 take 2 nodes; the grouped KV heads of a 1.5B (2) are replicated when tensor parallelism (4)
+    exceeds them: one head a GPU, K and V, 28 layers, 128 wide, bf16 = 14 KiB a token."""
+    from support.memory_plan import QWEN25_1_5B, QWEN25_7B, MemoryPlan, needs, plan
+
+    assert plan(QWEN25_7B, world_size=4).host_rows[0][1] == 4 * 128 / 1024  # GiB: 4 ranks x 2 x 64 MiB
+    assert needs(QWEN25_7B, world_sizes=(12,))[0].startswith("at 12 GPUs (2 nodes of 8)")
+    assert "(14 KiB per token per GPU)" in str(plan(QWEN25_1_5B, world_size=4, tensor_parallel_size=4))
+    assert MemoryPlan([("all of it", 1.0, 70.0)], capacity_gib=70.0, notes=[]).fits  # exactly full fits
+
+
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_the_update_recomputes_activations_only_with_activation_checkpointing(checkpointing):
     """Hugging Face recomputes a layer in the backward pass only in training mode, and loaded models
