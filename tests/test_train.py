@@ -602,6 +602,22 @@ def test_the_plan_follows_the_flags_that_change_what_a_gpu_holds():
     assert whole.fits
 
 
+def test_the_plan_of_a_cpu_preset_is_the_papers_target_with_this_nodes_size_and_the_flags_given(monkeypatch, capsys):
+    """--plan with a CPU preset sizes the paper's target (Qwen2.5-32B on 16 GPUs), in nodes of
+    torchrun's LOCAL_WORLD_SIZE, and counts what --kl-coef (a reference policy) and --cpu-offload
+    (states in host memory) add."""
+    from support import memory_plan
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    memory_plan.print_plan(config.parse_config(["--preset", "tiny", "--plan", "--kl-coef", "0.1", "--cpu-offload"]))
+    out = capsys.readouterr().out
+    assert out.startswith("target of --preset tiny: 2 nodes of 8 x H200")
+    assert "actor 32.76B parameters" in out and "world size 16," in out
+    assert "host per node, 4 ranks" in out and "at 16 GPUs (4 nodes of 4)" in out
+    assert "\nreference policy parameters (fp32, sharded)" in out
+    assert "\nCPU-offloaded params, grads, AdamW (fp32, sharded)" in out
+
 def test_a_model_without_a_preset_on_a_gpu_is_refused_naming_the_presets(monkeypatch):
     import torch
 
