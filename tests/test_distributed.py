@@ -302,6 +302,8 @@ def test_export_hf_checkpoint_single_process_round_trips(tmp_path):
     export_hf_checkpoint(model, tokenizer, str(tmp_path / "hf"), shard_bytes=1 << 20)  # overwrite
     files = os.listdir(tmp_path / "hf")
     assert "model.safetensors" not in files  # the first export's single file did not survive
+    shards = sorted(f for f in files if f.endswith(".safetensors"))  # named as save_pretrained names them
+    assert len(shards) > 1 and shards == [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
     loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
     for name, tensor in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
@@ -371,6 +373,44 @@ def test_a_save_killed_between_its_renames_resumes_from_the_newest_complete_chec
     assert checkpoints.load_checkpoint(checkpoints.latest_checkpoint(path), models, optimizers)["step"] == 4
     assert checkpoints.checkpoint_extra(path + ".old")["step"] == 3
 
+
+def test_a_damaged_checkpoint_is_named_by_its_missing_file_or_the_last_line_of_the_loads_error(tmp_path):
+    """A shard deleted is found before loading (the metadata names it) and the one before is taken; a
+    shard cut short shows at the load, whose DCP error is a whole traceback per rank: the error says
+    its last line (a read that ran out of file), not its first ("CheckpointException ranks: ...")."""
+    _, model = tiny_actor()
+    models, optimizers = {"actor": model}, {"actor": torch.optim.AdamW(model.parameters())}
+    path = str(tmp_path / "checkpoint")
+    for step in (1, 2):
+        checkpoints.save_checkpoint(path, models, optimizers, {"step": step})
+    shard = sorted(f for f in os.listdir(path) if f.endswith(".distcp"))[0]
+    os.remove(os.path.join(path, shard))
+    with pytest.raises(checkpoints.CheckpointError, match=rf"{re.escape(path)} lacks {shard}$"):
+        checkpoints.check_checkpoint(path)
+    assert checkpoints.latest_checkpoint(path) == path + ".old"
+    with open(os.path.join(path + ".old", shard), "r+b") as f:
+        f.truncate(1000)
+    with pytest.raises(checkpoints.CheckpointError) as err:
+        checkpoints.load_checkpoint(path + ".old", models, optimizers)
+    assert str(err.value) == f"cannot resume from {path}.old (CheckpointException: EOFError)"
+
+
+def test_a_full_disk_behind_the_error_a_writer_raised_while_handling_it_is_named(tmp_path, monkeypatch):
+    """The operating system's word is looked for along the whole chain: here a writer that met a
+    full disk and raised its own error while handling it (no `from`: the OSError is its context)."""
+    _, model = tiny_actor()
+    models, optimizers = {"actor": model}, {"actor": torch.optim.AdamW(model.parameters())}
+
+    def writer_of_its_own(*args, **kwargs):
+        try:
+            full_disk()
+        except OSError:
+            raise RuntimeError("the writer gave up")
+
+    monkeypatch.setattr(checkpoints.dcp, "save", writer_of_its_own)
+    with pytest.raises(checkpoints.CheckpointError, match="No space left on device"):
+        checkpoints.save_checkpoint(str(tmp_path / "checkpoint"), models, optimizers, {"step": 1})
+    assert not os.path.exists(tmp_path / "checkpoint.tmp")
 
 def test_bucket_size_must_be_positive():
     _, model = tiny_actor()
