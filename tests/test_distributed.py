@@ -294,6 +294,8 @@ def test_iter_full_weights_buckets_are_bounded_and_cover_each_tensor_once():
         sizes = [t.numel() * t.element_size() for _, t in bucket]
         assert sum(sizes[:-1]) < bucket_bytes
     assert all(t.dtype == torch.bfloat16 for _, t in next(iter_full_weights(model, bucket_bytes, torch.bfloat16)))
+    first, tensor = next(iter(model.state_dict().items()))  # a bound the first tensor reaches alone: it closes there
+    assert [name for name, _ in next(iter_full_weights(model, tensor.numel() * tensor.element_size()))] == [first]
 
 
 def test_export_hf_checkpoint_single_process_round_trips(tmp_path):
@@ -308,6 +310,21 @@ def test_export_hf_checkpoint_single_process_round_trips(tmp_path):
     for name, tensor in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
 
+
+def test_an_exported_critic_is_recorded_as_a_scalar_head_model_in_the_dtype_written(tmp_path):
+    """A critic made from pi_SFT carries pi_SFT's config, architectures ["Qwen2ForCausalLM"]: exported
+    as such, a loader (critic.load_value_model) would take its trained value head for a fresh one.
+    The config records the class exported and the dtype of its weights (bf16 here, not the fp32 trained)."""
+    from transformers import AutoModelForTokenClassification
+
+    _, model = tiny_actor()
+    config = copy.deepcopy(model.config)
+    config.num_labels, config.architectures = 1, ["Qwen2ForCausalLM"]
+    critic = AutoModelForTokenClassification.from_config(config)
+    export_hf_checkpoint(critic, None, str(tmp_path / "critic_hf"), dtype=torch.bfloat16)
+    saved = json.loads((tmp_path / "critic_hf" / "config.json").read_text())
+    assert saved["architectures"] == ["Qwen2ForTokenClassification"]
+    assert saved["dtype"] == "bfloat16" and next(critic.parameters()).dtype == torch.float32
 
 def test_a_generation_config_that_loads_with_a_warning_is_exported_as_it_came(tmp_path):
     """A temperature beside do_sample false loads with a warning, but save_pretrained refuses it: a
