@@ -81,6 +81,20 @@ def test_a_first_save_killed_mid_write_is_no_checkpoint_to_resume_or_refuse_a_re
     assert rundir.check(cfg) == str(run_dir)
 
 
+def test_removing_a_checkpoint_leaves_none_of_its_names_a_damaged_one_set_aside_included(tmp_path):
+    """remove_checkpoint (--overwrite, and value pretraining once its critic is exported) deletes every
+    name a save or a resume left: checkpoint/, .old/, an incomplete .tmp/, and the <name>.damaged/
+    that restore_latest set aside (a whole model and its optimizer states for nothing)."""
+    model = torch.nn.Linear(2, 2)
+    models, optimizers = {"actor": model}, {"actor": torch.optim.Adam(model.parameters())}
+    path = str(tmp_path / "checkpoint")
+    for step in (1, 2):
+        checkpoints.save_checkpoint(path, models, optimizers, {"step": step})
+    os.replace(path + ".old", path + ".old.damaged")  # as restore_latest sets a damaged one aside
+    os.makedirs(path + ".tmp")  # a save killed mid-write
+    checkpoints.remove_checkpoint(path)
+    assert os.listdir(tmp_path) == []
+
 @pytest.mark.parametrize("flag, value", [("--kl-coef", "0.1"), ("--entropy-coef", "0.01"), ("--ppo-epochs", "2")])
 def test_a_rerun_that_changes_the_ppo_loss_is_refused(tmp_path, flag, value):
     """Only the run's length and how it runs may change on a rerun or --resume (rundir.MAY_CHANGE):
