@@ -306,6 +306,8 @@ def test_export_hf_checkpoint_single_process_round_trips(tmp_path):
     assert "model.safetensors" not in files  # the first export's single file did not survive
     shards = sorted(f for f in files if f.endswith(".safetensors"))  # named as save_pretrained names them
     assert len(shards) > 1 and shards == [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == sum(p.numel() * p.element_size() for p in model.parameters())  # tied: once
     loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
     for name, tensor in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
