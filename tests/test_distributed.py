@@ -348,8 +348,9 @@ def test_a_checkpoint_of_other_shapes_is_named_tensor_by_tensor_in_one_process(t
     config = copy.deepcopy(model.config)
     config.intermediate_size = 256
     with pytest.raises(CheckpointError, match=r"model.layers.0.mlp.down_proj.weight has shape \(128, \d+\), the model "
-                                              r"wants \(128, 256\); .* and 3 more tensors of other shapes"):
+                                              r"wants \(128, 256\); .* and 3 more tensors of other shapes") as err:
         load_pretrained(AutoModelForCausalLM, str(tmp_path / "lm"), config)
+    assert str(err.value).count(" has shape ") == 3  # 3 named and 3 more: the 2 layers' 3 MLP matrices
 
 
 def test_a_save_killed_between_its_renames_resumes_from_the_newest_complete_checkpoint(tmp_path, monkeypatch):
