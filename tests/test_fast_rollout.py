@@ -413,3 +413,12 @@ def test_max_new_tokens_below_one_is_refused_with_its_name(policy):
     model, tokenizer = policy
     with pytest.raises(ValueError, match="max_new_tokens must be >= 1, got 0"):
         FastHFRollout(model, tokenizer).generate([tokenizer("+21=\n")["input_ids"]], 0)
+
+
+def test_a_model_with_layers_of_any_attention_but_full_is_refused_at_start():
+    """hf-fast's cache and masks are full attention's: not only sliding-window layers but any other
+    kind a config lists (Llama 4's chunked attention, say) would be decoded as full attention."""
+    tokenizer, model = tiny_actor()
+    model.config.layer_types = ["full_attention", "chunked_attention"]
+    with pytest.raises(ValueError, match="this model has chunked_attention layers: use --rollout hf"):
+        FastHFRollout(model.eval(), tokenizer)
