@@ -452,6 +452,19 @@ def test_memory_plan_counts_the_parameters_of_the_real_models():
     assert shape.params(value_head=True) == sum(p.numel() for p in critic.parameters())
 
 
+def test_memory_plan_reads_a_head_width_that_is_not_hidden_over_heads():
+    """Configs may set head_dim apart from hidden_size / heads (Qwen3's 128 beside 1024 / 16): the
+    attention's matrices are that wide, so the count must use it."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from support.memory_plan import ModelShape
+
+    config = Qwen2Config(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    model = Qwen2ForCausalLM(config)
+    assert model.model.layers[0].self_attn.q_proj.out_features == 4 * 64 != config.hidden_size
+    assert ModelShape.from_config(config).params() == sum(p.numel() for p in model.parameters())
+
 def test_memory_plan_32b_actor_and_critic_fit_16_h200_but_not_8():
     from support.memory_plan import QWEN25_32B, plan
 
@@ -624,6 +637,16 @@ def test_memory_plan_a_node_holds_the_ranks_it_runs_and_a_part_filled_node_count
     assert needs(QWEN25_7B, world_sizes=(12,))[0].startswith("at 12 GPUs (2 nodes of 8)")
     assert "(14 KiB per token per GPU)" in str(plan(QWEN25_1_5B, world_size=4, tensor_parallel_size=4))
     assert MemoryPlan([("all of it", 1.0, 70.0)], capacity_gib=70.0, notes=[]).fits  # exactly full fits
+
+
+def test_memory_plan_says_when_vllms_share_cannot_hold_its_weights_and_counts_no_kv_cache():
+    """Qwen2.5-32B unsplit (tensor parallel 1) is ~61 GiB of bf16 weights, beyond a tenth of an H200:
+    the plan says so, and its KV cache holds no tokens rather than a negative number of them."""
+    from support.memory_plan import QWEN25_32B, plan
+
+    text = str(plan(QWEN25_32B, world_size=16, tensor_parallel_size=1, gpu_memory_utilization=0.1))
+    assert "vLLM's share cannot even hold its weights" in text
+    assert "vLLM KV cache holds ~0k tokens per engine" in text
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
