@@ -178,6 +178,19 @@ def test_running_out_of_memory_in_the_start_up_probe_is_said_as_such(policy):
         FastHFRollout(NoMemory(model.config).eval(), tokenizer)
 
 
+def test_a_forward_that_fails_on_a_4d_mask_is_refused_with_the_flag_to_use_not_a_traceback(policy):
+    """A forward (remote code, say) that reshapes the mask it is given as a 2D padding mask fails
+    with a RuntimeError on the probe's 4D one: a model hf-fast cannot decode, said as such."""
+    model, tokenizer = policy
+
+    class TwoDimensionalMask(type(model)):
+        def forward(self, *args, attention_mask=None, **kwargs):
+            attention_mask = attention_mask.view(attention_mask.shape[0], -1, 2)  # a 2D mask's reshape
+            return super().forward(*args, attention_mask=attention_mask, **kwargs)
+
+    with pytest.raises(ValueError, match="TwoDimensionalMask builds its own: use --rollout hf"):
+        FastHFRollout(TwoDimensionalMask(model.config).eval(), tokenizer)
+
 FSDP2_MIXED_PRECISION = """
 import sys, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
