@@ -305,7 +305,8 @@ def test_export_hf_checkpoint_single_process_round_trips(tmp_path):
     files = os.listdir(tmp_path / "hf")
     assert "model.safetensors" not in files  # the first export's single file did not survive
     shards = sorted(f for f in files if f.endswith(".safetensors"))  # named as save_pretrained names them
-    assert len(shards) > 1 and shards == [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    n = len(shards)
+    assert n > 1 and shards == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
     assert index["metadata"]["total_size"] == sum(p.numel() * p.element_size() for p in model.parameters())  # tied: once
     loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
@@ -595,12 +596,14 @@ def test_memory_plan_gpu_rows_follow_precision_offload_reference_critic_and_tens
     assert rows(reference_policy=True)["reference policy parameters (fp32, sharded)"] == \
         base["actor parameters (fp32, sharded)"]
     larger_critic = rows(QWEN25_1_5B, 8, critic=QWEN25_7B)
-    assert larger_critic["gradients of one model (fp32, sharded)"][1] == larger_critic["critic parameters (fp32, sharded)"][1]
+    critic_parameters = larger_critic["critic parameters (fp32, sharded)"][1]
+    assert larger_critic["gradients of one model (fp32, sharded)"] == (0.0, critic_parameters)
     for tp in (1, 4):
         weights = rows(tensor_parallel_size=tp)["vLLM weights (bf16 / tensor parallel)"][0]
         assert weights == pytest.approx(QWEN25_32B.params() * 2 / tp / GIB)
     activations = "activations of one micro-batch (actor/critic max)"
-    assert rows(micro_batch_tokens=4096, logits_chunk_tokens=8192)[activations] == rows(micro_batch_tokens=4096)[activations]
+    longer_chunk = rows(micro_batch_tokens=4096, logits_chunk_tokens=8192)
+    assert longer_chunk[activations] == rows(micro_batch_tokens=4096)[activations]
     with pytest.raises(ValueError, match="gpu_memory_utilization must lie in"):
         plan(QWEN25_32B, 16, gpu_memory_utilization=1.0)  # nothing would be left to train in
 
@@ -617,7 +620,7 @@ def test_memory_plan_activations_keep_every_layer_without_checkpointing_and_one_
 
     def actor(**options):
         p = plan(shape, 8, micro_batch_tokens=tokens, with_critic=False, **options)
-        return dict((name, training) for name, _, training in p.rows)["activations of one micro-batch (actor/critic max)"]
+        return {name: training for name, _, training in p.rows}["activations of one micro-batch (actor/critic max)"]
 
     assert actor(activation_checkpointing=False) == pytest.approx((shape.layers * per_layer + logits) / GIB)
     everything = shape.layers * shape.hidden * tokens * 2 + 2 * per_layer
