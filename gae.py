@@ -78,8 +78,6 @@ def nstep_return(rewards, values, t, h, gamma=1.0):
     return sum(gamma**l * rewards[t + l] for l in range(h)) + gamma**h * bootstrap
 
 
-
-
 # --- the public API: the same numbers, on the fast paths (gae_fast.py) ---------------------------
 
 

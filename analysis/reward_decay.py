@@ -25,7 +25,6 @@ from analysis import run_cli
 from gae import compute_gae
 
 
-
 @dataclass
 class Args:
     out: Path = Path("runs/analysis")

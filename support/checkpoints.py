@@ -123,7 +123,6 @@ def _load_report_held_back():
         logger.removeFilter(drop)
 
 
-
 def copy_local_rows(tensor: torch.Tensor, full: torch.Tensor) -> None:
     """Write this rank's rows of `full` into `tensor` (an FSDP2 parameter or a plain tensor)."""
     local, rows = _local_rows(tensor)

@@ -42,7 +42,6 @@ def llvmlite_hidden():
             sys.modules[name] = module
 
 
-
 class VLLMRollout:
     """Sampling with vLLM in the training process (colocated; `VLLM_ENABLE_V1_MULTIPROCESSING=0`).
 

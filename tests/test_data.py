@@ -522,7 +522,6 @@ def test_held_out_problems_of_the_built_in_task_that_are_also_training_problems_
             f"problems of k in [46, 48])") in capsys.readouterr().out
 
 
-
 def test_what_the_data_says_is_said_once_under_torchrun_by_rank_0(capsys, monkeypatch):
     """Every rank loads the data: its notes came once per rank (16 times on 2 x 8 GPUs)."""
     from support.config import parse_config

@@ -329,6 +329,7 @@ def test_an_exported_critic_is_recorded_as_a_scalar_head_model_in_the_dtype_writ
     assert saved["architectures"] == ["Qwen2ForTokenClassification"]
     assert saved["dtype"] == "bfloat16" and next(critic.parameters()).dtype == torch.float32
 
+
 def test_a_generation_config_that_loads_with_a_warning_is_exported_as_it_came(tmp_path):
     """A temperature beside do_sample false loads with a warning, but save_pretrained refuses it: a
     --model with such a config trained to the end of its run, then failed to export."""
@@ -433,6 +434,7 @@ def test_a_full_disk_behind_the_error_a_writer_raised_while_handling_it_is_named
         checkpoints.save_checkpoint(str(tmp_path / "checkpoint"), models, optimizers, {"step": 1})
     assert not os.path.exists(tmp_path / "checkpoint.tmp")
 
+
 def test_bucket_size_must_be_positive():
     _, model = tiny_actor()
     with pytest.raises(ValueError, match="bucket_bytes"):
@@ -465,6 +467,7 @@ def test_memory_plan_reads_a_head_width_that_is_not_hidden_over_heads():
     model = Qwen2ForCausalLM(config)
     assert model.model.layers[0].self_attn.q_proj.out_features == 4 * 64 != config.hidden_size
     assert ModelShape.from_config(config).params() == sum(p.numel() for p in model.parameters())
+
 
 def test_memory_plan_32b_actor_and_critic_fit_16_h200_but_not_8():
     from support.memory_plan import QWEN25_32B, plan

@@ -191,6 +191,7 @@ def test_a_forward_that_fails_on_a_4d_mask_is_refused_with_the_flag_to_use_not_a
     with pytest.raises(ValueError, match="TwoDimensionalMask builds its own: use --rollout hf"):
         FastHFRollout(TwoDimensionalMask(model.config).eval(), tokenizer)
 
+
 FSDP2_MIXED_PRECISION = """
 import sys, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh

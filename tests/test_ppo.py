@@ -287,7 +287,6 @@ def test_a_mask_whose_entries_outside_0_1_cancel_the_others_is_not_binary(outsid
         check_masked_inputs(mask)
 
 
-
 def ragged_rollout(seed=0):
     """A tiny random policy and a RolloutBatch of ragged prompts and responses (random tokens)."""
     from support import task

@@ -95,6 +95,7 @@ def test_removing_a_checkpoint_leaves_none_of_its_names_a_damaged_one_set_aside_
     checkpoints.remove_checkpoint(path)
     assert os.listdir(tmp_path) == []
 
+
 @pytest.mark.parametrize("flag, value", [("--kl-coef", "0.1"), ("--entropy-coef", "0.01"), ("--ppo-epochs", "2")])
 def test_a_rerun_that_changes_the_ppo_loss_is_refused(tmp_path, flag, value):
     """Only the run's length and how it runs may change on a rerun or --resume (rundir.MAY_CHANGE):

@@ -618,6 +618,7 @@ def test_the_plan_of_a_cpu_preset_is_the_papers_target_with_this_nodes_size_and_
     assert "\nreference policy parameters (fp32, sharded)" in out
     assert "\nCPU-offloaded params, grads, AdamW (fp32, sharded)" in out
 
+
 def test_a_model_without_a_preset_on_a_gpu_is_refused_naming_the_presets(monkeypatch):
     import torch
 

@@ -515,7 +515,6 @@ def test_the_entropy_is_logged_without_a_graph_unless_the_loss_uses_it(actor, sc
     assert not torch.allclose(grads[0.0], grads[0.1])
 
 
-
 class _OpsSeen(TorchDispatchMode):
     """The aten operators run inside it, each with the last dimension of its first argument."""
 
