@@ -278,6 +278,30 @@ def test_check_masked_inputs_accepts_bool_masks_and_non_prefix_masks_unless_righ
     check_masked_inputs(torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]]), right_padded=True)
 
 
+def test_finite_values_whose_sum_overflows_are_not_taken_for_nan_or_inf():
+    """The content check sums each tensor first (NaN and inf survive a sum) and looks at every
+    element only when the sum is not finite: values near float32's maximum overflow the sum to inf
+    yet are all finite, so they pass; a single inf among them still does not."""
+    big = torch.full((2, 3), torch.finfo(torch.float32).max / 2)
+    assert not torch.isfinite(big.sum())
+    check_masked_inputs(torch.ones(2, 3), values=big)
+    big[1, 2] = float("inf")
+    with pytest.raises(ValueError, match="values contains NaN or inf"):
+        check_masked_inputs(torch.ones(2, 3), values=big)
+
+
+def test_check_masked_inputs_without_contents_checks_shapes_and_types_but_not_values():
+    """contents=False (the losses, on every micro-batch; gae.py's compiled loop) leaves the values
+    to a check made once elsewhere: NaN and a non-binary mask pass, a wrong shape or an integer
+    tensor still raise."""
+    mask = torch.tensor([[1.0, 0.5, 0.0]])
+    check_masked_inputs(mask, contents=False, x=torch.full((1, 3), float("nan")))
+    with pytest.raises(ValueError, match="x has shape"):
+        check_masked_inputs(mask, contents=False, x=torch.zeros(1, 2))
+    with pytest.raises(ValueError, match="x must be a floating-point"):
+        check_masked_inputs(mask, contents=False, x=torch.zeros(1, 3, dtype=torch.long))
+
+
 @pytest.mark.parametrize("outside", [2.0, -1.0])
 def test_a_mask_whose_entries_outside_0_1_cancel_the_others_is_not_binary(outside):
     """The binary test sums m (1 - m), which is > 0 strictly inside (0, 1) but < 0 outside [0, 1]:
