@@ -220,6 +220,7 @@ def test_bad_inputs_raise_value_error_naming_the_argument(mutate, match):
         ({"lam_critic": float("nan")}, "lam_critic"),
         ({"lam_actor": torch.tensor([0.9, 0.9])}, "lam_actor tensor"),
         ({"lam_actor": torch.tensor([0.9, 1.2, 0.9])}, "lam_actor must lie"),
+        ({"lam_actor": torch.tensor([0.9, float("nan"), 0.9])}, "lam_actor must lie"),  # NaN is not in [0, 1]
     ],
 )
 def test_bad_hyperparameters_raise_value_error_naming_the_argument(kwargs, match):
