@@ -399,3 +399,34 @@ def test_critic_loss_regresses_the_values_onto_the_returns_and_clips_around_the_
     clipped, metrics = critic_loss(critic, batch, per_token, None, cfg, clip=0.2)
     assert plain.item() == pytest.approx(0.0, abs=1e-10)
     assert clipped.item() == pytest.approx(0.5 * 0.8 ** 2, rel=1e-5) and metrics["vf_clipfrac"].item() == 1.0
+
+
+def test_a_token_budget_counts_the_widest_prompt_of_the_run_and_keeps_a_run_that_fills_it_exactly():
+    """A micro-batch is padded to its widest prompt plus its longest response, so a run's size is
+    rows x (widest prompt of any of its rows + the last row's response), not the last row's prompt.
+    Prompts 6, 1, 4, 1, 1 and responses 1, 2, 3, 3, 3 in a budget of 16: 2 x (6 + 2) = 16 fits
+    exactly; a third row makes 3 x (6 + 3); then 2 x (4 + 3) = 14 fits and 3 x (4 + 3) does not."""
+    from rollout import RolloutBatch
+
+    prompts, lengths = torch.tensor([6, 1, 4, 1, 1]), torch.tensor([1, 2, 3, 3, 3])
+    prompt_mask = (torch.arange(6)[None] >= 6 - prompts[:, None]).long()  # left-padded
+    mask = (torch.arange(3)[None] < lengths[:, None]).float()
+    batch = RolloutBatch(5 * prompt_mask, prompt_mask, 3 * mask.long(), mask, torch.zeros(5, 3), ["stop"] * 5)
+    micro = list(batch.micro_batches(torch.arange(5), 1, max_tokens=16))
+    assert [rows.tolist() for rows, _ in micro] == [[0, 1], [2, 3], [4]]
+    assert [len(m) * (m.prompt_ids.shape[1] + m.response_ids.shape[1]) for _, m in micro] == [16, 14, 4]
+
+
+def test_select_keeps_each_rows_finish_reason_with_its_tensors():
+    """select picks the finish reasons ("length": cut off at max_new_tokens) of the rows it picks,
+    in their order, for a list of row numbers as for a slice."""
+    from rollout import RolloutBatch
+
+    lengths = torch.tensor([3, 1, 2])
+    mask = (torch.arange(3)[None] < lengths[:, None]).float()
+    ones = torch.ones(3, 2, dtype=torch.long)
+    batch = RolloutBatch(ones, ones, 3 * mask.long(), mask, torch.zeros(3, 3), ["length", "stop", "stop"])
+    picked = batch.select([2, 0])
+    assert picked.lengths.tolist() == [2, 3] and picked.finish_reasons == ["stop", "length"]
+    assert picked.truncated == [False, True]
+    assert batch.select(slice(1, None)).finish_reasons == ["stop", "stop"]
