@@ -398,6 +398,24 @@ def test_micro_batched_forward_equals_the_whole_batch_forward_in_bounded_micro_b
     assert min(width for _, width, _ in seen) < batch.response_ids.shape[1]
 
 
+def test_micro_batched_forward_fills_a_token_budget_when_given_one():
+    """With micro_batch_tokens (train.py and value_pretrain.py pass it) the no-grad forward cuts the
+    length-sorted rows into runs of up to that many padded tokens, as update_model does, not into
+    micro_batch_size rows each. Responses 1..6 (rows 0, 2, 4, 1, 5, 3 by length) after 2-token
+    prompts in 16 tokens: 3 x (2 + 3) = 15, then 2 x (2 + 5) = 14, then row 3 alone (8)."""
+    from ppo_update import micro_batched_forward
+
+    batch = synthetic_rollout([1, 4, 2, 6, 3, 5])
+    sizes = []
+
+    def rows_in_micro_batch(micro):
+        sizes.append(len(micro) * (micro.prompt_ids.shape[1] + micro.response_ids.shape[1]))
+        return micro.response_mask * len(micro)
+
+    out = micro_batched_forward(rows_in_micro_batch, batch, micro_batch_size=1, micro_batch_tokens=16)
+    assert sizes == [15, 14, 8]
+    assert torch.equal(out, batch.response_mask * torch.tensor([3.0, 2.0, 3.0, 1.0, 3.0, 2.0])[:, None])
+
 # --- padding, exact KL expectations, update_model's loop --------------------------------------
 
 
