@@ -548,15 +548,14 @@ def test_update_model_metrics_are_mini_batch_token_means_averaged_over_steps():
     assert metrics["m/x_mean"] == pytest.approx(expected, rel=1e-5)
 
 
-@pytest.mark.parametrize("max_grad_norm, expected_step", [(0.5, 0.5), (1e9, 100.0)])
-def test_update_model_clips_the_gradient_norm_to_max_grad_norm(max_grad_norm, expected_step):
-    """loss = w * 100 (token mean of x = 100): |dL/dw| = 100; with SGD at lr 1 the step is the
-    gradient clipped to norm max_grad_norm; grad_norm reports the norm before clipping."""
+def constant_gradient_update(lengths, ppo_epochs=1, num_minibatches=1, max_grad_norm=1e9):
+    """update_model with loss = w * 100 (token mean of x = 100), whose gradient is 100 whatever w is,
+    SGD at lr 1 from w = 0: returns the model and the metrics."""
     from types import SimpleNamespace
 
     from ppo_update import update_model
 
-    batch = synthetic_rollout([3, 2])
+    batch = synthetic_rollout(lengths)
     model = torch.nn.Linear(1, 1, bias=False)
     torch.nn.init.zeros_(model.weight)
     rows = {"x": 100.0 * batch.response_mask}
@@ -564,35 +563,27 @@ def test_update_model_clips_the_gradient_norm_to_max_grad_norm(max_grad_norm, ex
     def loss_fn(model, micro, micro_rows, normalizer, cfg):
         return aggregate_loss(model.weight[0, 0] * micro_rows["x"], micro.response_mask, normalizer=normalizer), {}
 
-    cfg = SimpleNamespace(ppo_epochs=1, num_minibatches=1, micro_batch_size=1, micro_batch_tokens=None,
-                          loss_agg="token-mean", max_grad_norm=max_grad_norm)
+    cfg = SimpleNamespace(ppo_epochs=ppo_epochs, num_minibatches=num_minibatches, micro_batch_size=1,
+                          micro_batch_tokens=None, loss_agg="token-mean", max_grad_norm=max_grad_norm)
     metrics = update_model(cfg, model, torch.optim.SGD(model.parameters(), lr=1.0), batch, rows, loss_fn,
                            seed=0, prefix="m")
+    return model, metrics
+
+
+@pytest.mark.parametrize("max_grad_norm, expected_step", [(0.5, 0.5), (1e9, 100.0)])
+def test_update_model_clips_the_gradient_norm_to_max_grad_norm(max_grad_norm, expected_step):
+    """|dL/dw| = 100: the step is the gradient clipped to norm max_grad_norm; grad_norm reports the
+    norm before clipping."""
+    model, metrics = constant_gradient_update([3, 2], max_grad_norm=max_grad_norm)
     assert metrics["m/grad_norm"] == pytest.approx(100.0, rel=1e-5)
     assert model.weight.item() == pytest.approx(-expected_step, rel=1e-5)
     assert model.weight.grad is None  # freed: the rollout and the other model's update need the memory
 
 
 def test_update_model_starts_every_optimizer_step_from_a_zero_gradient():
-    """loss = w * 100 (token mean of x = 100) has gradient 100 whatever w is: SGD at lr 1 over
-    2 epochs x 2 mini-batches takes four steps of exactly 100 each. A gradient left over from the
+    """2 epochs x 2 mini-batches take four steps of exactly 100 each. A gradient left over from the
     previous mini-batch would add up to steps of 100, 200, 300, 400 (and a mean grad_norm of 250)."""
-    from types import SimpleNamespace
-
-    from ppo_update import update_model
-
-    batch = synthetic_rollout([3, 2, 4, 1])
-    model = torch.nn.Linear(1, 1, bias=False)
-    torch.nn.init.zeros_(model.weight)
-    rows = {"x": 100.0 * batch.response_mask}
-
-    def loss_fn(model, micro, micro_rows, normalizer, cfg):
-        return aggregate_loss(model.weight[0, 0] * micro_rows["x"], micro.response_mask, normalizer=normalizer), {}
-
-    cfg = SimpleNamespace(ppo_epochs=2, num_minibatches=2, micro_batch_size=1, micro_batch_tokens=None,
-                          loss_agg="token-mean", max_grad_norm=1e9)
-    metrics = update_model(cfg, model, torch.optim.SGD(model.parameters(), lr=1.0), batch, rows, loss_fn,
-                           seed=0, prefix="m")
+    model, metrics = constant_gradient_update([3, 2, 4, 1], ppo_epochs=2, num_minibatches=2)
     assert metrics["m/grad_norm"] == pytest.approx(100.0, rel=1e-5)
     assert model.weight.item() == pytest.approx(-400.0, rel=1e-5)
 
