@@ -420,12 +420,11 @@ def test_a_token_budget_counts_the_widest_prompt_of_the_run_and_keeps_a_run_that
 def test_select_keeps_each_rows_finish_reason_with_its_tensors():
     """select picks the finish reasons ("length": cut off at max_new_tokens) of the rows it picks,
     in their order, for a list of row numbers as for a slice."""
-    from rollout import RolloutBatch
+    import dataclasses
 
-    lengths = torch.tensor([3, 1, 2])
-    mask = (torch.arange(3)[None] < lengths[:, None]).float()
-    ones = torch.ones(3, 2, dtype=torch.long)
-    batch = RolloutBatch(ones, ones, 3 * mask.long(), mask, torch.zeros(3, 3), ["length", "stop", "stop"])
+    from test_ppo import synthetic_rollout
+
+    batch = dataclasses.replace(synthetic_rollout([3, 1, 2]), finish_reasons=["length", "stop", "stop"])
     picked = batch.select([2, 0])
     assert picked.lengths.tolist() == [2, 3] and picked.finish_reasons == ["stop", "length"]
     assert picked.truncated == [False, True]
