@@ -3,8 +3,9 @@
 Both are a Hugging Face `AutoModelForTokenClassification` with one label and no dropout, so they
 save and load in Hugging Face format like any other checkpoint. The two differ only in how they
 are trained and read:
-- the outcome reward model (ORM, `train_orm` / `orm_scores`) is regressed onto the +-1 outcome at
-  the last token (EOS) only, as a reward model is;
+- the outcome reward model (ORM, `train_orm` / `orm_scores`) is trained on the +-1 outcome at the
+  last token (EOS) only, as a reward model is: regressed onto it, or (`--orm-loss bradley-terry`)
+  ranked by it, correct responses above wrong ones;
 - the critic reads V(s_t) at the position whose next token is response token t: for a prompt
   left-padded to P, sequence position P - 1 + t (`RolloutBatch.response_slice`), and is trained
   with the value loss of Eq. (2) (`critic_loss`).
@@ -58,7 +59,7 @@ def load_value_model(path: str, head_init_std: float = 0.02, seed: int = 0, devi
     config = AutoConfig.from_pretrained(path)
     has_head = any("TokenClassification" in a for a in (config.architectures or []))
     config.num_labels = 1
-    config.classifier_dropout = 0.0  # a regression head; dropout would only add noise to V
+    config.classifier_dropout = 0.0  # absent, the head's dropout defaults to 0.1 (the rest: without_dropout)
     fresh = () if has_head else tuple(f"{name}.{p}" for name in VALUE_HEADS for p in ("weight", "bias"))
     model = load_pretrained(AutoModelForTokenClassification, path, config, fresh=fresh, device=device,
                             **shard_options)

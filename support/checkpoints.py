@@ -62,8 +62,12 @@ def load_pretrained(model_class, path: str, config=None, fresh=(), device=None, 
     files, each rank reading only its rows of each tensor, READ_BYTES at a time. bf16 checkpoints
     widen to fp32 exactly; a tied head stays the embedding (one parameter, read once). Names in
     `fresh` (a new value head) may be absent from the checkpoint and are left for the caller to
-    initialise, on every rank alike; any other absent tensor is an error.
+    initialise, on every rank alike; any other absent tensor is an error. Every dropout of the
+    config is set to 0 (`without_dropout`).
     """
+    from transformers import AutoConfig, GenerationConfig
+
+    config = without_dropout(config if config is not None else AutoConfig.from_pretrained(path))
     if world_size() == 1:
         with _load_report_held_back():  # its table is checked here instead, as the sharded path checks
             model, loaded = model_class.from_pretrained(path, config=config, dtype=torch.float32,
@@ -79,9 +83,6 @@ def load_pretrained(model_class, path: str, config=None, fresh=(), device=None, 
         # Offloaded, it stays on the CPU: fully_shard moves one layer at a time through the GPU, as with many ranks.
         on_cpu = device is None or (shard_options.get("cpu_offload") and torch.cuda.is_available())
         return shard_model(model if on_cpu else model.to(device), **shard_options)
-    from transformers import AutoConfig, GenerationConfig
-
-    config = config if config is not None else AutoConfig.from_pretrained(path)
     with torch.device("meta"):
         model = model_class.from_config(config, dtype=torch.float32)
     model = shard_model(model, **shard_options)
@@ -108,6 +109,20 @@ def load_pretrained(model_class, path: str, config=None, fresh=(), device=None, 
     if model.can_generate() and os.path.exists(os.path.join(path, "generation_config.json")):
         model.generation_config = GenerationConfig.from_pretrained(path)
     return model
+
+
+def without_dropout(config):
+    """`config` with every dropout probability at 0 (attention, residual, embedding, head, layer
+    drop), as verl and TRL train. PPO's ratio divides the update's forward (in training mode) by the
+    log-probs taken before it (in eval mode), and the critic regresses on targets built from its own
+    eval-mode values: with dropout on, neither is 1 or exact before the first step. Qwen2 and Llama
+    have none; GPT-2 and OPT have 0.1. The exported actor's config keeps the zeros."""
+    for sub in {id(c): c for c in (config, config.get_text_config())}.values():
+        for name, value in list(vars(sub).items()):
+            is_probability = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if is_probability and ("dropout" in name or "pdrop" in name or name == "layerdrop"):
+                setattr(sub, name, 0.0)
+    return config
 
 
 @contextlib.contextmanager

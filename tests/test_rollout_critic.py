@@ -180,6 +180,29 @@ def test_a_gpt2_backbone_gets_its_fresh_head_under_its_own_name(policy, tmp_path
     assert value_outputs(critic, ids, torch.ones_like(ids), torch.arange(3)[None]).shape == (1, 3)
 
 
+def test_actor_and_critic_load_without_dropout_so_the_first_ratio_is_one(policy, tmp_path):
+    """GPT-2 has dropout 0.1 in its attention, residual and embedding. PPO's update runs in training
+    mode and divides by log-probs taken in eval mode, so with dropout the first mini-batch's ratio
+    would not be 1 and the critic would regress on noisy values: both loaders set every dropout of
+    the config to 0, and two training-mode forwards give the eval-mode output."""
+    import transformers
+
+    from support.checkpoints import load_pretrained
+
+    _, tokenizer, _ = policy
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1,
+                                                         n_head=2)).save_pretrained(tmp_path)
+    actor = load_pretrained(transformers.AutoModelForCausalLM, str(tmp_path))
+    critic = load_value_model(str(tmp_path), seed=3)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    for model in actor, critic:
+        assert model.config.resid_pdrop == model.config.attn_pdrop == model.config.embd_pdrop == 0.0
+        with torch.no_grad():
+            eval_out = model.eval()(ids).logits
+            train_outs = [model.train()(ids).logits for _ in range(2)]
+        assert all(torch.equal(out, eval_out) for out in train_outs)
+
+
 def test_assert_finite_names_the_bad_parameter(policy):
     _, _, path = policy
     critic = load_value_model(path)
