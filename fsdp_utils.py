@@ -154,8 +154,8 @@ def from_main(obj):
 
 
 def reduce_metrics(metrics: dict, sums=(), maxes=(), tokens: dict | None = None) -> dict:
-    """The whole step's metrics from each rank's share: keys in `sums` add up over ranks (counts,
-    throughput), keys in `maxes` take the largest, keys in `tokens` are means over tokens[key] tokens
+    """The whole step's metrics from each rank's share: keys in `sums` add up over ranks (counts),
+    keys in `maxes` take the largest, keys in `tokens` are means over tokens[key] tokens
     of this rank and become the mean over every rank's tokens (NaN when there are none), every other
     key is averaged (exact for means over rows: each rank holds as many rows, config.validate). Every
     rank gets the same numbers, so decisions taken on them (stop, raise) agree."""

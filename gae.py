@@ -1,12 +1,12 @@
-"""Generalised advantage estimation and decoupled GAE (paper §3.3, Eq. 5-8).
+"""Generalised advantage estimation and decoupled GAE (paper §3.3, Eq. 5 and 8).
 
 Tensors are [B, T], right-padded; mask = 1 on every generated token (README "Tensor layout").
 rewards[b, t] holds the outcome on the last token t = L_b - 1 (plus any per-token term), values[b, t]
 is V(s_t), and the state after the last token is terminal:
 
-Eq. (5)  delta_t = r_t + gamma V(s_{t+1}) - V(s_t)           V(s_L) = 0 after the last token
-Eq. (6)  A_t     = sum_{l=0}^{L-t-1} (gamma lam)^l delta_{t+l}
-Eq. (7)  R_t     = A_t + V(s_t)                               (critic target)
+GAE      delta_t = r_t + gamma V(s_{t+1}) - V(s_t)           V(s_L) = 0 after the last token
+         A_t     = sum_{l=0}^{L-t-1} (gamma lam)^l delta_{t+l}
+Eq. (5)  R_t     = A_t + V(s_t)                               (the critic's target; lam = 1: the return)
 Eq. (8)  A_t     = (1-lam) sum_{h=1}^{L-t-1} lam^(h-1) G_{t:t+h} + lam^(L-t-1) G_{t:L} - V(s_t)
          with the n-step return G_{t:t+h} = sum_{l<h} gamma^l r_{t+l} + gamma^h V(s_{t+h}).
 
@@ -20,7 +20,7 @@ none, but the n-step returns G still contain V(s_{t+h}), so with lam_actor < 1 t
 gradient is unbiased only when V is the policy's true value, and with lam_actor = 1 for any V
 (analysis/eq8_check.py measures all three facts).
 
-Read this file top down: `gae_reference` is the definition, the recursion of Eq. (5)-(7) as a
+Read this file top down: `gae_reference` is the definition, the recursion of GAE and Eq. (5) as a
 loop over tokens. `compute_gae` and `decoupled_gae` compute the same numbers on the fast paths of
 `gae_fast.py` (a compiled CPU loop; on GPUs a Triton kernel, `gae_triton.py`, or a chunked scan
 without Triton and for autograd), which tests/test_gae.py checks against `gae_reference` and
@@ -38,7 +38,7 @@ from support.masked import check_lambda_range, check_masked_inputs
 
 
 def gae_reference(rewards, values, mask, gamma=1.0, lam=0.95):
-    """GAE by its definition, Eq. (5)-(7): the right-to-left recursion A_t = delta_t + gamma lam A_{t+1}
+    """GAE by its definition, and Eq. (5): the right-to-left recursion A_t = delta_t + gamma lam A_{t+1}
     over tokens (slow: what the fast paths are checked against). Computes in the input dtype; lam
     may be a float or a tensor [B]. Returns (advantages, returns), 0 on padding."""
     check_masked_inputs(mask, right_padded=True, rewards=rewards, values=values)
@@ -50,10 +50,10 @@ def gae_reference(rewards, values, mask, gamma=1.0, lam=0.95):
     for t in reversed(range(length)):
         # V(s_{t+1}) = 0 after the last token: padding values must not leak in (verl PR #50).
         next_value = values[:, t + 1] * mask[:, t + 1] if t + 1 < length else 0.0
-        delta = rewards[:, t] + gamma * next_value - values[:, t]  # Eq. (5)
-        next_adv = (delta + gamma * lam * next_adv) * mask[:, t]  # Eq. (6), recursively
+        delta = rewards[:, t] + gamma * next_value - values[:, t]  # delta_t
+        next_adv = (delta + gamma * lam * next_adv) * mask[:, t]  # A_t, recursively
         advantages[:, t] = next_adv
-    return advantages, (advantages + values) * mask  # Eq. (7)
+    return advantages, (advantages + values) * mask  # Eq. (5)
 
 
 def eq8_advantages(rewards, values, mask, gamma=1.0, lam=0.95):
@@ -82,7 +82,7 @@ def nstep_return(rewards, values, t, h, gamma=1.0):
 
 
 def compute_gae(rewards, values, mask, gamma=1.0, lam=0.95):
-    """GAE, Eq. (5)-(7). lam is a float or a float tensor [B] (one lambda per response).
+    """GAE and Eq. (5). lam is a float or a float tensor [B] (one lambda per response).
     Returns (advantages, returns), both [B, T] and 0 on padding."""
     (lam, _), fast = _checked_fast_path(rewards, values, mask, gamma, (lam,), ("lam",))
     if fast is not None:

@@ -14,8 +14,9 @@ from support.masked import masked_sum
 
 def masked_whiten(x, mask, shift_mean=True, eps=1e-8):
     """(x - mean) / std over the valid tokens only; padding stays 0. With shift_mean=False the
-    mean is added back (only the scale is normalised). Under torchrun the mean and (Bessel-
-    corrected) variance are those of every rank's tokens together, as in one process."""
+    mean is added back, (x - mean) / std + mean, as verl does: the spread is normalised, the mean
+    kept. Under torchrun the mean and (Bessel-corrected) variance are those of every rank's tokens
+    together, as in one process."""
     mask = mask.to(x.dtype)
     count, total = all_reduce(torch.stack([mask.sum(), masked_sum(x, mask)]))
     mean = total / count.clamp_min(1)

@@ -3,7 +3,7 @@
 At the start of PPO the policy is pi_SFT. Its rollouts are scored (+-1 on the last token) and four
 critics read V(s_t) on them: the outcome reward model (plain PPO's critic initialisation, MSE on the
 outcome), the Bradley-Terry reward model (`--orm-loss bradley-terry`), pi_SFT with a fresh head
-(moved by `--offset`, train.py's `--critic-init-offset`), and the value-pretrained critic (§3.2). GAE (Eq. 5-6) with lambda 0.95 and 1.0 turns each
+(moved by `--offset`, train.py's `--critic-init-offset`), and the value-pretrained critic (§3.2). GAE with lambda 0.95 and 1.0 turns each
 into advantages. With an exact critic E[A_t] = 0 at every position, so the mean advantage by position
 shows each critic's bias; the mean Monte-Carlo return (the lambda = 1 target, the same for every
 critic) is what V(s_t) should be on average. The paper's Fig. 2 has early tokens biased UP; report
@@ -219,9 +219,9 @@ def position_sums(rollouts, critic, lambdas, gamma, width: int, bin_size: int) -
         quarter = position_bins(mask, 4)[0]  # each response's first quarter, as train.py's metrics bin it
         add("count", mask, mask)
         add("value", values, mask)
-        add("ret", compute_gae(rewards, values, mask, gamma, lam=1.0)[1], mask)  # R_t at lambda = 1 (Eq. 7)
+        add("ret", compute_gae(rewards, values, mask, gamma, lam=1.0)[1], mask)  # R_t at lambda = 1 (Eq. 5)
         for lam in lambdas:
-            adv, _ = compute_gae(rewards, values, mask, gamma, lam=lam)  # Eq. 5-6
+            adv, _ = compute_gae(rewards, values, mask, gamma, lam=lam)  # GAE
             add("adv", adv, mask, lam)
             sums["adv_sq"][lam] += float(masked_sum(adv.double() ** 2, mask.double()))
             sums["first_bin"][lam] += masked_mean(adv[:, :bin_size], mask[:, :bin_size], dim=1).tolist()

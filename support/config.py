@@ -142,7 +142,9 @@ class Config:
     loss_agg: Literal["token-mean", "seq-mean"] = "token-mean"
     """loss aggregation, normalised by the global token (or sequence) count of a mini-batch"""
     whiten_advantages: bool = True
-    """normalise advantages over the batch's valid tokens"""
+    """normalise advantages over the batch's valid tokens; GRPO's too, after its group normalisation,
+    which re-centres them over tokens (a long response weighs more), where DeepSeekMath's GRPO stops
+    at the group's: `--no-whiten-advantages` gives theirs"""
     kl_coef: float = 0.0
     """KL penalty to pi_SFT in the loss (VC-PPO: none)"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"

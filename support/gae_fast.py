@@ -1,8 +1,8 @@
 """The fast paths of gae.py's `compute_gae` and `decoupled_gae`: the same numbers as the
-definition `gae.gae_reference` (Eq. 5-7), checked against it and against Eq. (8) in
+definition `gae.gae_reference` (GAE, Eq. 5), checked against it and against Eq. (8) in
 tests/test_gae.py, with no Python loop over tokens.
 
-Both compute R_t of Eq. (7) as the recursive lambda-return (Eq. 6 summed by parts)
+Both compute R_t of Eq. (5) as the recursive lambda-return (GAE's sum of deltas, summed by parts)
     R_t = r_t + gamma (1 - lam) V(s_{t+1}) + gamma lam R_{t+1},     A_t = R_t - V(s_t),
 which is the same number without the deltas' telescoping cancellation (at lam = 1 it is the
 plain reward sum, so error does not grow with T).
@@ -85,7 +85,7 @@ def _compile(fn, parallel=False):
 
 @_compile
 def _lambda_returns_row(r_row, v_row, m_row, gamma, lam_actor, lam_critic, adv_row, ret_row):
-    """Right to left over one response: R_t for lam_actor and lam_critic in float64 (Eq. 6-7 by
+    """Right to left over one response: R_t for lam_actor and lam_critic in float64 (Eq. 5 by
     parts), A_t = R_t(lam_actor) - V(s_t), both 0 on padding. Returns False, leaving the outputs
     partly written, on a NaN/inf input or a mask row that is not ones-then-zeros."""
     decay_actor, decay_critic = gamma * lam_actor, gamma * lam_critic
@@ -193,7 +193,7 @@ def _cached_scan_matrices(decay, size, dtype, device):
 
 
 def _reverse_discounted_sum(x, decay):
-    """y_t = sum_{j>=t} decay^(j-t) x_j along dim 1 (Eq. 6 with decay = gamma lam), y = 0 past T.
+    """y_t = sum_{j>=t} decay^(j-t) x_j along dim 1 (GAE's A_t with decay = gamma lam), y = 0 past T.
 
     Chunked scan: split T into chunks of C; inside a chunk y = x @ M with M[j, i] = decay^(j-i)
     for j >= i (one batched matrix product for all chunks). Each chunk then needs the full y at

@@ -1,4 +1,4 @@
-"""Decoupled GAE on the GPU as one Triton kernel (paper §3.3, Eq. 5-7): `gae.py`'s fast path for
+"""Decoupled GAE on the GPU as one Triton kernel (paper §3.3, Eq. 5): `gae.py`'s fast path for
 CUDA inputs when Triton is installed (it comes with CUDA builds of torch; not a requirement).
 
 The same recursion as the CPU's compiled loop, in float64, for both lambdas in one pass:

@@ -324,8 +324,8 @@ RECORDED_LATER = ("input_files",)
 
 def check_stage(path: str, settings: dict, remedy: str = "delete it to build it again", ignore=()) -> None:
     """Stop unless the cached stage at `path` records, in its settings.json, that it was built with
-    `settings`. Without that file (a directory made by hand, by `python -m support.sft`, or by an older
-    version) it cannot be told from another experiment's, so it is refused, never taken as it is."""
+    `settings`. Without that file (a directory made by hand, or by an older version) it cannot be
+    told from another experiment's, so it is refused, never taken as it is."""
     saved = os.path.join(path, STAGE_SETTINGS)
     if not os.path.exists(saved):
         raise ConfigError(f"{path} holds no {STAGE_SETTINGS} with the settings it was built with, so it cannot "

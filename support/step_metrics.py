@@ -3,7 +3,7 @@ paper's diagnostics of the critic.
 
 - The mean advantage per quarter of each response, early to late (§3.1, Fig. 2): with an exact
   critic it is 0 at every position; a critic that starts off biased tilts the early tokens.
-- The critic's error against the batch's Monte-Carlo return G_t (Eq. 7 at lambda = 1), over all
+- The critic's error against the batch's Monte-Carlo return G_t (Eq. 5 at lambda = 1), over all
   tokens and over each response's first quarter: at step 0, the critic's initial error, which value
   pretraining (§3.2) removes.
 - The mean advantage of each response's last token, which alone sees r - V(s_{L-1}), against the
@@ -52,7 +52,7 @@ def critic_error_metrics(scored: ScoredBatch, values, advantages, gamma: float, 
     first quarter (at step 0, the critic's initial error), and the mean advantage (before whitening)
     of the last token, which alone sees r - V(s_{L-1}), against the rest."""
     mask = scored.batch.response_mask
-    _, mc_return = compute_gae(scored.token_rewards, values, mask, gamma, lam=1.0)  # Eq. 7 at lambda = 1: G_t
+    _, mc_return = compute_gae(scored.token_rewards, values, mask, gamma, lam=1.0)  # Eq. 5 at lambda = 1: G_t
     last = torch.zeros_like(mask)
     last[torch.arange(len(mask), device=mask.device), scored.batch.lengths - 1] = 1.0
     error = values - mc_return

@@ -108,7 +108,7 @@ def test_lambda_zero_gives_td_errors():
     adv, _ = compute_gae(rewards, values, mask, 0.9, 0.0)
     v = values * mask
     next_v = torch.cat([v[:, 1:], torch.zeros(6, 1)], dim=1)
-    delta = (rewards + 0.9 * next_v - v) * mask  # Eq. (5), V(s_L) = 0
+    delta = (rewards + 0.9 * next_v - v) * mask  # delta_t, V(s_L) = 0
     assert (adv - delta).abs().max() <= 1e-6
 
 
@@ -268,7 +268,7 @@ def test_decoupled_gae_is_differentiable_when_the_critics_lambda_bootstraps(lam_
     values = values.clone().requires_grad_(True)
     for output in (0, 1):  # advantages, then returns
         assert torch.autograd.gradcheck(lambda v: decoupled_gae(rewards, v, mask, 0.9, 0.8, lam_critic)[output], (values,))
-    got = decoupled_gae(rewards, values, mask, 0.9, 0.8, lam_critic)  # and Eq. 5-7's numbers
+    got = decoupled_gae(rewards, values, mask, 0.9, 0.8, lam_critic)  # and GAE's numbers
     expected = [gae_reference(rewards, values.detach(), mask, 0.9, lam) for lam in (0.8, lam_critic)]
     torch.testing.assert_close(got[0].detach(), expected[0][0])
     torch.testing.assert_close(got[1].detach(), expected[1][1])

@@ -649,7 +649,7 @@ def test_plateaued_needs_both_loss_and_explained_variance_flat_over_two_windows(
 
 
 def test_the_paper_math_imports_no_distributed_plumbing():
-    """gae.py (Eq. 5-8) and ppo.py (Eq. 1-2) read on their own: neither the trainer's process groups
+    """gae.py (Eq. 5 and 8) and ppo.py (Eq. 1-2) read on their own: neither the trainer's process groups
     (fsdp_utils), sharded tensors (DTensor) nor checkpoints are in their import chain."""
     import os
     import subprocess
