@@ -105,6 +105,24 @@ def _gold_text(ground_truth: str) -> str:
     return gold
 
 
+def ungradable_gold(ground_truth: str) -> str | None:
+    """Why no response can ever match `ground_truth`, or None: its last box is empty or never closes,
+    nothing is left once its delimiters are taken off (`$$`), or its braces do not pair (`\\frac{1}{`)."""
+    if _BOX_OPEN.search(ground_truth) and last_boxed(ground_truth) is None:
+        return "its last \\boxed{} is empty or never closes"
+    gold = _gold_text(ground_truth)
+    if not gold:
+        return "it is empty inside its math delimiters"
+    depth, k = 0, 0
+    while k < len(gold) and depth >= 0:
+        if gold[k] == "\\":  # \{ and \} are literal braces, as in last_boxed
+            k += 2
+            continue
+        depth += (gold[k] == "{") - (gold[k] == "}")
+        k += 1
+    return "its braces do not pair" if depth else None
+
+
 def _fast_verdict(answer: str, gold: str) -> bool | None:
     """Decide without math-verify when the strings settle it; None when they do not."""
     if " ".join(answer.split()) == " ".join(gold.split()):

@@ -88,24 +88,31 @@ def encode_prompt(tokenizer, prompt: str | list[dict]) -> list[int]:
 def data_files(spec: str | Path) -> list[Path]:
     """The files a `--data` / `--val-data` value names: a file, a folder (its .json, .jsonl and
     .parquet files) or a glob (`data/train-*.parquet`, `**` for subfolders; the .json, .jsonl and
-    .parquet files it matches), in sorted order. A leading `~` is the home folder, quoted or not."""
+    .parquet files it matches), in sorted order. A leading `~` is the home folder, quoted or not; a
+    path that exists is itself, glob characters in its name (`set[1].jsonl`) or not."""
+    return _named_files(spec)[0]
+
+
+def _named_files(spec: str | Path) -> tuple[list[Path], list[Path]]:
+    """(`data_files(spec)`, the other files of its folder or glob, which are not read)."""
     spec = os.path.expanduser(str(spec))
-    if glob.has_magic(spec):
+    path = Path(spec)
+    if glob.has_magic(spec) and not path.exists():
         matched = [Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file()]
         files = sorted(p for p in matched if p.suffix.lower() in SUFFIXES)
         if not files:
             raise DataError(f"{spec}: the pattern matches no {', '.join(SUFFIXES)} file"
                             + (f" (it matches {len(matched)} other files)" if matched else ""))
-        return files
-    path = Path(spec)
+        return files, sorted(set(matched) - set(files))
     if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() in SUFFIXES)
+        listed = [p for p in path.iterdir() if p.is_file()]
+        files = sorted(p for p in listed if p.suffix.lower() in SUFFIXES)
         if not files:
             raise DataError(f"{spec}: a folder with no {', '.join(SUFFIXES)} file")
-        return files
+        return files, sorted(set(listed) - set(files))
     if not path.is_file():
         raise DataError(f"{spec}: no file or folder of that name")
-    return [path]
+    return [path], []
 
 
 def field(record: dict, key: str):
@@ -121,6 +128,8 @@ def field(record: dict, key: str):
     return value
 
 
+# JSON's escapes can spell half of a surrogate pair alone (\ud800), which no tokenizer or grader takes.
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 GSM8K_MARK = "####"
 # The answer after the mark: a sign (before or after a dollar sign), digits with thousands
 # separators (commas, or spaces, no-break or thin ones, before three digits; India's 1,00,000 too),
@@ -208,7 +217,9 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, object]]:
                 yield where, json.loads(line)
             except json.JSONDecodeError as e:
                 at = f"column {e.pos + 1} of {len(line)}"
-                if e.pos >= len(line):
+                if line.strip() in ("{", "["):
+                    at = "a line of only a bracket: records written over several lines? JSON lines hold one a line"
+                elif e.pos >= len(line):
                     at = f"the line ends at column {len(line)}, cut short?"
                 elif e.msg.startswith("Unterminated string"):
                     at += ", cut short?"
@@ -283,21 +294,31 @@ def _check(where: str, record: object, prompt_key: str, answer_key: str,
         _check_messages(where, prompt, prompt_key)
     elif not isinstance(prompt, str) or not prompt.strip():
         raise DataError(f"{where}: empty or non-text prompt in field {prompt_key!r}")
-    # Numeric answers are common in maths data (42, 0.5); they are graded as text anyway.
-    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+    texts = [(prompt_key, m["content"]) for m in prompt] if isinstance(prompt, list) else [(prompt_key, prompt)]
+    for key, text in [*texts, (answer_key, answer)]:
+        if isinstance(text, str) and (surrogate := _LONE_SURROGATE.search(text)):
+            raise DataError(f"{where}: field {key!r} is not valid Unicode text (a lone surrogate, "
+                            f"{surrogate.group().encode('unicode_escape').decode()}, at character {surrogate.start()})")
+    # Numeric answers are common in maths data (42, 0.5; Parquet's decimals); they are graded as text anyway.
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float, Decimal)):
         hint = " (chat messages: the answer is a field of its own, --answer-key)" if isinstance(answer, list) else ""
         raise DataError(f"{where}: the answer in field {answer_key!r} is a {type(answer).__name__}, not text or a "
                         f"number{hint}")
     if not str(answer).strip():
         raise DataError(f"{where}: empty answer in field {answer_key!r}")
-    if isinstance(answer, float):
+    if isinstance(answer, (float, Decimal)):
         if not math.isfinite(answer):
             raise DataError(f"{where}: the answer in field {answer_key!r} is {answer}")
-        answer = format(Decimal(repr(answer)), "f")  # 1e-05 -> 0.00001: what a response would write
+        answer = format(Decimal(repr(answer)) if isinstance(answer, float) else answer, "f")  # 1e-05 -> 0.00001
+    from reward import ungradable_gold  # here, not at the top: math-verify takes a second to import
+
     try:
-        return prompt, gold_answer(str(answer), answer_format)
+        gold = gold_answer(str(answer), answer_format)
+        if why := ungradable_gold(gold):
+            raise ValueError(f"no response can match this answer: {why}")
     except ValueError as e:
         raise DataError(f"{where}: {e}, field {answer_key!r}: {str(answer)[-60:]!r}") from None
+    return prompt, gold
 
 
 def _template_marks(tokenizer) -> list[str]:
@@ -447,6 +468,11 @@ def prepare_data(cfg, tokenizer) -> tuple[list[dict], list[dict]]:
     if cfg.val_data:  # held-out sets of their own: the training data is not split
         # Their gold answers' format is detected, not --answer-format's: MATH-500 beside GSM8K training.
         sets = [_load(cfg, spec, tokenizer, *cfg.val_keys(i), None) for i, spec in enumerate(cfg.val_data)]
+        training = {tuple(r["prompt_ids"]) for r in records}
+        for spec, held_out in zip(cfg.val_data, sets):  # said, as the built-in task says it: not refused
+            if seen := sum(tuple(r["prompt_ids"]) in training for r in held_out):
+                _say(f"note: {seen} of the {len(held_out)} held-out problems of {spec} are also training problems "
+                     f"of --data {cfg.data}")
         return records, _sets_apart(sets, cfg.val_data)
     train, held_out = train_eval_split(records, cfg.eval_fraction, seed=0)
     if not train or not held_out:
@@ -508,6 +534,10 @@ def _load(cfg, spec: str, tokenizer, prompt_key: str, answer_key: str, answer_fo
     first = f"; the first skipped: {stats.first_skipped}" if stats.first_skipped else ""
     _say(f"data: {stats.loaded} records from {spec} ({stats.skipped_malformed} malformed skipped, "
           f"{stats.dropped_too_long} over {cfg.max_prompt_tokens} tokens dropped{first})")
+    if others := [p for p in _named_files(spec)[1] if not p.name.startswith(".")]:  # not .gitattributes
+        kinds = sorted({"".join(p.suffixes) or p.name for p in others})
+        _say(f"note: {spec}: {len(others)} other files not read ({', '.join(kinds)}); only "
+             f"{', '.join(SUFFIXES)} files are data")
     if not records:
         raise DataError(f"{spec}: no usable records ({stats.skipped_malformed} malformed skipped, "
                         f"{stats.dropped_too_long} over --max-prompt-tokens {cfg.max_prompt_tokens}{first})")

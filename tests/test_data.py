@@ -63,6 +63,18 @@ def test_chat_template_is_applied_with_generation_prompt(tmp_path):
     ({"prompt": "x", "answer": [{"role": "assistant", "content": "2"}]},
      "the answer in field 'answer' is a list, not text or a number \\(chat messages"),
     ([1, 2], "expected an object"),
+    # JSON's escapes spell a lone surrogate, which the tokenizer refused with a TypeError from deep inside it.
+    ('{"prompt": "a\\ud800b", "answer": "1"}', "field 'prompt' is not valid Unicode text \\(a lone surrogate, "
+                                               "\\\\ud800, at character 1\\)"),
+    ({"prompt": [{"role": "user", "content": "x\udfff"}], "answer": "1"}, "field 'prompt' is not valid Unicode"),
+    ({"prompt": "x", "answer": "\ud800"}, "field 'answer' is not valid Unicode"),
+    # Golds that no response can match, which scored every response -1.
+    ({"prompt": "x", "answer": "$$"}, "no response can match this answer: it is empty inside its math delimiters"),
+    ({"prompt": "x", "answer": "\\boxed{}"}, "no response can match this answer: its last \\\\boxed{} is empty"),
+    ({"prompt": "x", "answer": "so \\boxed{\\frac{1}{2}"}, "no response can match this answer: its last \\\\boxed{} is "
+     "empty or never closes"),
+    ({"prompt": "x", "answer": "\\frac{1}{"}, "no response can match this answer: its braces do not pair"),
+    ({"prompt": "x", "answer": "}{"}, "no response can match this answer: its braces do not pair"),
 ])
 def test_bad_line_error_names_file_and_line(tmp_path, bad_line, message):
     path = write_jsonl(tmp_path / "d.jsonl", GOOD[:2] + [bad_line] + GOOD[2:])
@@ -442,6 +454,68 @@ def test_one_json_value_over_several_lines_is_named_not_taken_for_a_line_cut_sho
     (tmp_path / "d.json").write_bytes(b"\xef\xbb\xbf" + json.dumps({"data": GOOD}, indent=2).encode())
     with pytest.raises(DataError, match=r"d\.json: one JSON object over several lines \(keys: data\)"):
         load_records(tmp_path / "d.json", char_tokenizer())
+
+
+def test_records_written_over_several_lines_are_named_so_not_taken_for_lines_cut_short(tmp_path):
+    """Several `json.dumps(record, indent=2)` one after another: no one JSON value, so the first line,
+    `{`, was "malformed JSON (...: the line ends at column 1, cut short?)"."""
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r, indent=2) + "\n" for r in GOOD))
+    with pytest.raises(DataError, match=r"d\.jsonl:1: malformed JSON \(.*: a line of only a bracket: records written "
+                                        r"over several lines\? JSON lines hold one a line\)"):
+        load_records(tmp_path / "d.jsonl", char_tokenizer())
+
+
+def test_a_parquet_decimal_answer_is_a_number(tmp_path):
+    """Parquet's decimal128 column reads as Python's Decimal, which was refused as "not text or a number".
+    It is written out at the column's scale (2.00), which the grader takes for 2."""
+    from decimal import Decimal
+
+    path = tmp_path / "d.parquet"
+    pd.DataFrame({"prompt": ["1+1=", "3/2="], "answer": [Decimal("2"), Decimal("1.50")]}).to_parquet(path)
+    records, _ = load_records(path, char_tokenizer())
+    assert [r["answer"] for r in records] == ["2.00", "1.50"]
+
+
+def test_an_existing_path_with_glob_characters_is_itself_and_files_not_read_are_said(tmp_path, capsys):
+    """A file or folder named `set[1]` was taken for a pattern that matched nothing and refused; files of
+    other kinds in a folder or a glob (`.jsonl.gz` shards, a `.csv`) were passed over without a word."""
+    from support.config import Config
+    from support.data import data_files, prepare_data
+
+    named = write_jsonl(tmp_path / "set[1].jsonl", GOOD)
+    assert data_files(named) == [named]
+    (tmp_path / "run[a]").mkdir()
+    write_jsonl(tmp_path / "run[a]" / "t.jsonl", GOOD)
+    for name in ("part1.jsonl.gz", "part2.jsonl.gz", "extra.csv", ".gitattributes"):
+        (tmp_path / "run[a]" / name).write_text("x")
+    assert data_files(tmp_path / "run[a]") == [tmp_path / "run[a]" / "t.jsonl"]
+    cfg = Config(data=str(tmp_path / "run[a]"), model="m", max_prompt_tokens=64, eval_fraction=0.34)
+    prepare_data(cfg, char_tokenizer())
+    out = capsys.readouterr().out
+    assert f"note: {tmp_path}/run[a]: 3 other files not read (.csv, .jsonl.gz); only .jsonl, .json, .parquet " \
+           "files are data" in out
+    cfg.data = str(named)  # a file alone: nothing else named
+    prepare_data(cfg, char_tokenizer())
+    assert "not read" not in capsys.readouterr().out
+
+
+def test_held_out_problems_that_are_also_training_problems_are_said_for_a_users_data(tmp_path, capsys):
+    """--val-data naming the --data file (or one that repeats its problems) held out nothing, in silence;
+    the built-in task says it, and so does a user's data now: said, counted by prompt, not refused."""
+    from support.config import Config
+    from support.data import prepare_data
+
+    train = write_jsonl(tmp_path / "train.jsonl", GOOD)
+    other = write_jsonl(tmp_path / "val.jsonl", [GOOD[1], {"prompt": "4-4=", "answer": "0"}])
+    cfg = Config(data=str(train), model="m", max_prompt_tokens=64, val_data=(str(train), str(other)))
+    prepare_data(cfg, char_tokenizer())
+    out = capsys.readouterr().out
+    assert f"note: 3 of the 3 held-out problems of {train} are also training problems of --data {train}" in out
+    assert f"note: 1 of the 2 held-out problems of {other} are also training problems" in out
+    cfg.val_data = (str(tmp_path / "val.jsonl"),)
+    write_jsonl(tmp_path / "val.jsonl", [{"prompt": "4-4=", "answer": "0"}])
+    prepare_data(cfg, char_tokenizer())
+    assert "also training problems" not in capsys.readouterr().out
 
 
 def test_a_prompt_of_no_tokens_is_a_bad_record_not_a_failed_rollout(tmp_path):
