@@ -6,13 +6,16 @@ pass@1, pass@k and response length after PPO (mean +- std over seeds) beside the
 
 | variant | what changes (train.py flags) |
 |---|---|
-| ppo | plain PPO: critic from the outcome reward model, no value pretraining, lambda 0.95 for both |
+| ppo | plain PPO: critic from the outcome reward model, no value pretraining, lambda 0.95 for both (*) |
 | vc-ppo-no-vp | VC-PPO without value pretraining: critic from the ORM (as the paper's critic before §3.2) |
-| vc-ppo-no-dgae | VC-PPO without decoupled GAE: lambda_critic = lambda_actor = 0.95 |
+| vc-ppo-no-dgae | VC-PPO without decoupled GAE: lambda_critic = lambda_actor = 0.95 (*) |
 | vc-ppo | VC-PPO, train.py's defaults: pi_SFT + fresh head, value pretraining, lambda 0.95 / 1.0 |
 | grpo | group-normalised outcome advantage, no critic |
 | lam-actor-0.9, -0.99, -1.0 | VC-PPO with that lambda_actor (0.95 is vc-ppo itself) |
 | length-adaptive | VC-PPO with VAPO's lambda_actor = 1 - 1/(0.05 l) per response |
+
+(*) The variants set lambda_critic; lambda_actor is the preset's, 0.95 for the built-in task (`tiny`),
+as in the paper's rows these are set beside (its qwen2.5 presets take 0.99).
 
 Runs go to <out-dir>/ablation__<variant>__seed<seed>/, each with its log in train.log. pi_SFT,
 the ORM and the value-pretrained critic are shared through <out-dir>/_shared, like every train.py
@@ -264,7 +267,14 @@ def build_missing_sft(configs: list[Config]) -> None:
 
 
 def load(run: Run) -> dict:
+    """A finished run's summary, metrics rows and wall time. The grids read a curve's step from its
+    row's place, so rows that are not steps 0, 1, ... (a resumed run told of a gap goes on past it)
+    are refused rather than drawn at the wrong steps."""
     rows = [json.loads(line) for line in (run.dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    if (steps := [r.get("step") for r in rows]) != list(range(len(rows))):
+        missing = sorted(set(range(max((s for s in steps if isinstance(s, int)), default=0))) - set(steps))
+        raise ValueError(f"{run.dir / 'metrics.jsonl'}: its rows are not steps 0 to {len(rows) - 1} in order "
+                         f"(missing: {missing[:10] or 'none'}); rerun it to read it")
     timing = run.dir / "ablation_run.json"
     return {"seed": run.seed, "summary": json.loads((run.dir / "summary.json").read_text()), "metrics": rows,
             "wall_s": json.loads(timing.read_text())["wall_s"] if timing.is_file() else None}
@@ -296,8 +306,9 @@ def aggregate(results: dict[str, list[dict]]) -> dict:
                        "first_ev": (float("nan"),) * 2}
     for variant, seeds in results.items():
         lowest = [min(r["response_length/mean"] for r in s["metrics"]) for s in seeds]
-        # The critic's explained variance on the first PPO batch: how well it starts (§3.1-3.2).
-        first_ev = [s["metrics"][0].get("critic/vf_explained_var", float("nan")) for s in seeds]
+        # How well the critic starts (§3.1-3.2): its explained variance of the first batch's Monte-Carlo
+        # return, not of its own targets (at lambda_critic < 1 built from V itself: not comparable).
+        first_ev = [s["metrics"][0].get("critic/value_error/explained_var", float("nan")) for s in seeds]
         table[variant] = {**evaluation_row([s["summary"]["ppo"] for s in seeds], VARIANTS[variant][1]),
                           "min_train_length": mean_std(lowest),
                           "first_ev": mean_std(first_ev) if "grpo" not in VARIANTS[variant][0] else (float("nan"),) * 2}
@@ -353,9 +364,9 @@ def markdown(agg: dict, wall: float, ran: int, runs: list[Run], loaded: dict, ta
              f"Held-out evaluation after PPO, mean ± std over seeds (sample std). pass@1 and {k} from "
              f"the same samples; 'min train length' is the lowest batch-mean response length over the PPO "
              f"steps (a length collapse shows here); 'critic EV' is the critic's explained variance of the "
-             f"returns on the first PPO batch (how calibrated it starts); the paper's column is AIME 2024 pass@1 "
+             f"Monte-Carlo return G_t on the first PPO batch (how calibrated it starts); the paper's column is AIME 2024 pass@1 "
              f"(%) at 8k context.", "",
-             f"| variant | seeds | pass@1 | {k} | mean length | min train length | critic EV, step 0 | paper pass@1 |",
+             f"| variant | seeds | pass@1 | {k} | mean length | min train length | critic EV of G_t, step 0 | paper pass@1 |",
              "|---|---|---|---|---|---|---|---|"]
     for variant, row in agg["table"].items():
         paper = "-" if row["paper"] is None else f"{row['paper']}"

@@ -98,6 +98,11 @@ class BiasResult:
     # of each response's mean A_t over its first quarter (the issue's Fig. 2 criterion)
     box: dict[str, dict]  # critic -> V(s_t) just before and just after the final box opens (TD errors there)
     orm_quality: dict  # reward model -> subset -> AUC, sign accuracy, base rate on these (held-out) responses
+
+    @property
+    def bin_centre(self) -> np.ndarray:
+        """[n_bins] the middle token position of each bin, where a plot puts its mean."""
+        return self.bin_start + (self.bin_size - 1) / 2
     offset: float = 0.0  # added to the SFT + fresh-head critic's values
 
 
@@ -313,7 +318,7 @@ def sign_sentence(mean: float, se: float) -> str:
 
 def plot(r: BiasResult, path: Path) -> None:
     fig, (adv_ax, val_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
-    x = r.bin_start + (r.bin_size - 1) / 2
+    x = r.bin_centre
     styles = ["-", "--", ":", "-."]
     for i, name in enumerate(CRITICS):
         if name not in r.values:

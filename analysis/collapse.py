@@ -227,6 +227,9 @@ def measure(runs: dict[str, list[ablation.Run]], offset: float) -> dict:
          "offsets": {arm: arm_flags(offset)[arm][1] for arm in runs},
          "runs": {arm: [measure_run(ablation.load(r)) for r in rs] for arm, rs in runs.items()},
          "reward_models": reward_model_quality(runs)}
+    # The advantages of Fig. 2 are at the runs' lambda_actor: the preset's, or one passed after `--`.
+    lams = {r.config.lam_actor for rs in runs.values() for r in rs if r.config.estimator == "gae"}
+    m["lambda_actor"] = f"lambda {lams.pop():g}" if len(lams) == 1 else "lambda_actor"
     sft = {r["seed"]: r["sft_acc"] for rows in m["runs"].values() for r in rows}  # one pi_SFT score per seed
     m["sft_acc"] = ablation.mean_std(list(sft.values()))[0]
     m["goals"] = goals(m, offset)
@@ -251,7 +254,7 @@ def fig2_by_position(args: Args, runs: dict[str, list[ablation.Run]]) -> dict | 
     for name, adv in r.advantages.items():
         error = float(((r.values[name] - r.mc_return) * r.tokens).sum() / r.tokens.sum())  # mean V(s_t) - G_t
         out[name] = {"label": advantage_bias.critic_label(name, args.offset), "error": error,
-                     "bin_start": r.bin_start.tolist(), "advantage": adv[0.95].tolist() if 0.95 in adv else None,
+                     "bin_centre": r.bin_centre.tolist(), "advantage": adv[0.95].tolist() if 0.95 in adv else None,
                      "first_quarter": {str(lam): list(ms) for lam, ms in r.first_quarter[name].items()}}
     return {"seed": vc.seed, "responses": r.rollout["responses"], "critics": out,
             "tokens": r.tokens.tolist(), "skipped": r.skipped}
@@ -307,7 +310,7 @@ def plot(m: dict, path: Path) -> None:
         ax.errorbar(np.arange(4) + 1, q.mean(0), yerr=q.std(0, ddof=1) if len(q) > 1 else None, marker="o",
                     capsize=3, label=label(m, arm))
     ax.axhline(0, color="black", lw=0.5)
-    ax.set(xlabel="quarter of the response (early -> late)", ylabel="mean advantage at step 0 (lambda 0.95)",
+    ax.set(xlabel="quarter of the response (early -> late)", ylabel=f"mean advantage at step 0 ({m['lambda_actor']})",
            xticks=[1, 2, 3, 4])
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
@@ -316,7 +319,7 @@ def plot(m: dict, path: Path) -> None:
         f2 = m["fig2"]
         for c in f2["critics"].values():
             if c["advantage"] is not None:
-                ax.plot(np.array(c["bin_start"]), c["advantage"], marker="o", ms=2,
+                ax.plot(np.array(c["bin_centre"]), c["advantage"], marker="o", ms=2,
                         label=f"{c['label']}, error {c['error']:+.2f}")
         ax.axhline(0, color="black", lw=0.5)
         ax.set(xlabel="response token position t", ylabel="mean advantage, lambda 0.95",
@@ -364,8 +367,8 @@ def markdown(m: dict, runs: dict[str, list[ablation.Run]]) -> str:
                      f"{pm(arm, 'first_step_advantage_other_tokens', signed=True)} | {per_seed(arm, 'calibration_steps')} | "
                      f"{pm(arm, 'length_ratio')} | {pm(arm, 'acc_ratio')} | {per_seed(arm, 'recovery_steps')} | "
                      f"{pm(arm, 'final_acc')} |")
-    lines += ["", "Fig. 2 from the same runs: mean advantage (lambda 0.95, before whitening) over each quarter of the "
-              "first batch's responses, early to late:", "", "| arm | 1st | 2nd | 3rd | 4th |", "|---|---|---|---|---|"]
+    lines += ["", f"Fig. 2 from the same runs: mean advantage ({m['lambda_actor']}, before whitening) over each quarter "
+              "of the first batch's responses, early to late:", "", "| arm | 1st | 2nd | 3rd | 4th |", "|---|---|---|---|---|"]
     for arm in (a for a in FIG2 if a in m["runs"]):
         q = np.array([r["first_step_advantage_by_quarter"] for r in m["runs"][arm]], dtype=float).mean(0)
         lines.append(f"| {label(m, arm)} | " + " | ".join(f"{x:+.3f}" for x in q) + " |")

@@ -46,11 +46,13 @@ class TokenMeans(dict):
         self[name], self.tokens[name] = masked_mean(x, mask).item(), mask.sum().item()
 
 
-def critic_error_metrics(scored: ScoredBatch, values, advantages, gamma: float, means: TokenMeans) -> None:
+def critic_error_metrics(scored: ScoredBatch, values, advantages, gamma: float, means: TokenMeans) -> dict:
     """How far the critic is from this batch's Monte-Carlo return G_t, and what that does to the
     advantages (§3.1): the mean of V(s_t) - G_t over all response tokens and over each response's
     first quarter (at step 0, the critic's initial error), and the mean advantage (before whitening)
-    of the last token, which alone sees r - V(s_{L-1}), against the rest."""
+    of the last token, which alone sees r - V(s_{L-1}), against the rest. Returns the explained
+    variance of G_t: `critic/vf_explained_var` scores V against the run's own targets, which at
+    lambda_critic < 1 are built from V itself, so only this one compares critics across runs."""
     mask = scored.batch.response_mask
     _, mc_return = compute_gae(scored.token_rewards, values, mask, gamma, lam=1.0)  # Eq. 5 at lambda = 1: G_t
     last = torch.zeros_like(mask)
@@ -60,6 +62,8 @@ def critic_error_metrics(scored: ScoredBatch, values, advantages, gamma: float, 
     means.add("critic/value_error/first_quarter", error, position_bins(mask)[0])
     means.add("advantage/last_token", advantages, last)
     means.add("advantage/other_tokens", advantages, mask - last)
+    ev = explained_variance(values, mc_return, mask, total=fsdp_utils.all_reduce)
+    return {"critic/value_error/explained_var": ev.item()}
 
 
 def rollout_metrics(scored: ScoredBatch, per_token: dict, advantages, timings: dict, gamma: float) -> dict:
@@ -86,7 +90,7 @@ def rollout_metrics(scored: ScoredBatch, per_token: dict, advantages, timings: d
         # Over every rank's tokens: a rank whose returns were all equal (undefined there) must not make it NaN.
         metrics["critic/vf_explained_var"] = explained_variance(values, per_token["returns"], mask,
                                                                 total=fsdp_utils.all_reduce).item()
-        critic_error_metrics(scored, values, advantages, gamma, means)
+        metrics |= critic_error_metrics(scored, values, advantages, gamma, means)
     for b, in_bin in enumerate(position_bins(mask)):
         means.add(f"advantage/pos_bin{b}", advantages, in_bin)
     metrics |= {f"timing_s/{k}": v for k, v in timings.items()}

@@ -27,7 +27,7 @@ def fake_run(out_dir: Path, variant: str, seed: int, pass1: float, lengths: list
     run = out_dir / f"ablation__{variant}__seed{seed}"
     run.mkdir(parents=True)
     (run / "config.json").write_text(json.dumps(dataclasses.asdict(config.parse_config(flags))))
-    rows = [{"step": i, "response_length/mean": n, "reward/accuracy": 0.1 * i, "critic/vf_explained_var": -seed}
+    rows = [{"step": i, "response_length/mean": n, "reward/accuracy": 0.1 * i, "critic/value_error/explained_var": -seed}
             for i, n in enumerate(lengths)]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     evals = {"sft": {"pass@1": 0.3 + 0.01 * seed, "pass@4": 0.6, "mean_length": 130.0},
@@ -55,6 +55,23 @@ def test_reads_a_grid_and_reports_mean_and_sample_std(tmp_path):
     assert "| ppo | 2 | 0.300 ± 0.141 |" in md and "| 5.6 |" in md
     assert (tmp_path / "out" / "ablation.png").stat().st_size > 0
     assert json.loads((tmp_path / "out" / "ablation.json").read_text())["table"]["ppo"]["seeds"] == 2
+
+
+def test_a_run_whose_rows_are_not_every_step_in_order_is_refused_not_drawn_at_the_wrong_steps(tmp_path):
+    """The grids take a row's place for its PPO step. A resumed run whose log lost rows before its
+    checkpoint goes on past the gap (it is said, not refused), and its later steps were read as earlier ones."""
+    fake_run(tmp_path, "ppo", 0, 0.2, [100, 50, 60, 70])
+    metrics = tmp_path / "ablation__ppo__seed0" / "metrics.jsonl"
+    rows = metrics.read_text().splitlines()
+    args = ablation.Args(out=tmp_path / "out", out_dir=str(tmp_path), variants=("ppo",), seeds=(0,), read_only=True)
+    metrics.write_text("\n".join(rows[:2] + rows[3:]) + "\n")
+    with pytest.raises(ValueError, match=r"metrics\.jsonl: its rows are not steps 0 to 2 in order \(missing: \[2\]\)"):
+        ablation.main(args, [])
+    metrics.write_text("\n".join([rows[1], rows[0], *rows[2:]]) + "\n")
+    with pytest.raises(ValueError, match=r"not steps 0 to 3 in order \(missing: none\)"):
+        ablation.main(args, [])
+    metrics.write_text("\n".join(rows) + "\n")
+    assert ablation.main(args, [])["curves"]["ppo"]["response_length/mean"].tolist() == [[100, 50, 60, 70]]
 
 
 def test_the_json_is_strict_an_undefined_number_written_as_null(tmp_path):

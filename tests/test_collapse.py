@@ -107,6 +107,7 @@ def test_reads_the_runs_checks_the_goals_and_prints_the_summary_line_last(tmp_pa
     md = (tmp_path / "out" / "collapse.md").read_text()
     assert "| ppo (offset -2) | 0,1 | -1.400 ± 0.000 | -1.500 ± 0.000 | +1.000 ± 0.000 | +0.200 ± 0.000 | -, - | 0.467 ± 0.000 " in md
     assert "| grpo | 0,1 | - | - | - | - | -, - | 1.057 ± 0.000 |" in md
+    assert "Fig. 2 from the same runs: mean advantage (lambda 0.95, before whitening)" in md  # the runs' lambda_actor
     assert math.isclose(json.loads((tmp_path / "out" / "collapse.json").read_text())["sft_acc"], 0.25)
     assert (tmp_path / "out" / "collapse.png").stat().st_size > 0
 
@@ -162,3 +163,12 @@ def test_micro_grid_through_train_py_ends_with_the_summary_line(tmp_path):
     assert m["runs"]["ppo"][0]["initial_error"] < -0.5
     assert (tmp_path / "runs" / "_shared" / "orm" / "quality.json").is_file()
     assert (tmp_path / "out" / "collapse.md").read_text().strip().endswith(last)
+
+
+def test_fig2_is_labelled_with_the_runs_own_lambda_actor(tmp_path):
+    """The Fig. 2 table and panel said "lambda 0.95" whatever lambda_actor the runs were given after `--`."""
+    args = collapse.Args(out_dir=str(tmp_path), arms=("ppo", "vc-ppo"), seeds=(0,), steps=6, read_only=True)
+    runs = collapse.plan(args, ["--lam-actor", "0.99"])
+    for arm in ("ppo", "vc-ppo"):
+        fake_run(runs[arm][0], [600] * 6, [0.25] * 6, error=-1.0, final=0.3)
+    assert collapse.measure(runs, -2.0)["lambda_actor"] == "lambda 0.99"

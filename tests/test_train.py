@@ -742,7 +742,7 @@ def test_critic_error_metrics_against_a_direct_computation():
     scored = ScoredBatch(batch, [""] * 3, torch.tensor(outcomes), rewards, 0, 0, {})
     advantages = torch.tensor([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 0.0, 0.0], [7.0, 8.0, 9.0, 0.0]]) * mask
     m = step_metrics.TokenMeans()
-    step_metrics.critic_error_metrics(scored, values, advantages, 0.5, m)
+    other = step_metrics.critic_error_metrics(scored, values, advantages, 0.5, m)
     assert m.tokens == {"critic/value_error/all": 9, "critic/value_error/first_quarter": 3,
                         "advantage/last_token": 3, "advantage/other_tokens": 6}  # their weights over ranks
     # G_t = gamma^(L-1-t) r; tokens of the first quarter: t * 4 // L == 0, i.e. t = 0 in every row here.
@@ -752,6 +752,11 @@ def test_critic_error_metrics_against_a_direct_computation():
     assert m["critic/value_error/first_quarter"] == pytest.approx(sum(e for e, q in errors if q) / 3)
     assert m["advantage/last_token"] == pytest.approx((4.0 + 6.0 + 9.0) / 3)
     assert m["advantage/other_tokens"] == pytest.approx((1 + 2 + 3 + 5 + 7 + 8) / 6)
+    # 1 - Var(G - V) / Var(G) over the 9 tokens, G from the same formula: not the targets of any lambda < 1.
+    returns = [0.5 ** (n - 1 - t) * r for n, r in zip(lengths, outcomes) for t in range(n)]
+    variance = lambda xs: sum((x - sum(xs) / len(xs)) ** 2 for x in xs) / len(xs)  # noqa: E731
+    expected = 1 - variance([e for e, _ in errors]) / variance(returns)
+    assert other == {"critic/value_error/explained_var": pytest.approx(expected, abs=1e-6)}
 
 
 @pytest.mark.parametrize("flag", ["--mixed-precision", "--cpu-offload"])

@@ -364,7 +364,8 @@ def test_ppo_step_metrics_are_reduced_over_ranks_by_their_kind(tokenizer, actor,
     """Under torchrun each rank holds a share of the batch: rollout_metrics hands
     fsdp_utils.reduce_metrics the longest response as a maximum, the grader's counts as sums, and
     each token-mean with the number of this rank's tokens it is over (a mean over every rank's
-    tokens); the explained variance sums its moments over ranks (fsdp_utils.all_reduce). The step's
+    tokens); both explained variances (of the targets, and of the Monte-Carlo return) sum their
+    moments over ranks (fsdp_utils.all_reduce). The step's
     time is the sum of its stages', and the throughput counts prompt and response tokens."""
     seen, totals = {}, []
     reduce_metrics, explained_variance = step_metrics.fsdp_utils.reduce_metrics, step_metrics.explained_variance
@@ -392,7 +393,7 @@ def test_ppo_step_metrics_are_reduced_over_ranks_by_their_kind(tokenizer, actor,
                               "critic/value_error/all": tokens, "critic/value_error/first_quarter": in_bins[0],
                               "advantage/last_token": rows, "advantage/other_tokens": tokens - rows,
                               **{f"advantage/pos_bin{k}": n for k, n in enumerate(in_bins)}}
-    assert totals == [step_metrics.fsdp_utils.all_reduce]
+    assert totals == [step_metrics.fsdp_utils.all_reduce] * 2
 
     stages = {k: v for k, v in metrics.items() if k.startswith("timing_s/") and k != "timing_s/step"}
     assert stages.keys() == {f"timing_s/{k}" for k in ("rollout", "reward", "forward", "update")}
