@@ -337,12 +337,13 @@ class Config:
             "max_new_tokens": (self.max_new_tokens >= 1, ">= 1"),
             "temperature": (self.temperature > 0, "> 0"),
             "top_p": (0.0 < self.top_p <= 1.0, "in (0, 1]"),
-            "data": (self.data is None or (self.model is not None and _names_files(self.data)),
+            "data": (self.data is None or (self.model is not None and not _why_no_files(self.data)),
                      "a file, a folder of .json/.jsonl/.parquet files or a glob matching files, with --model: "
-                     "the built-in pi_SFT knows only the built-in task"),
+                     "the built-in pi_SFT knows only the built-in task" + _why_no_files(self.data, "; here, ")),
             "val_data": (self.val_data is None or (self.data is not None and bool(self.val_data)
-                                                   and all(map(_names_files, self.val_data))),
-                         "files, folders or globs matching files, with --data"),
+                                                   and not any(map(_why_no_files, self.val_data))),
+                         "files, folders or globs matching files, with --data"
+                         + "".join(_why_no_files(spec, "; here, ") for spec in self.val_data or ())),
             "val_prompt_key": self._per_val_set("val_prompt_key"),
             "val_answer_key": self._per_val_set("val_answer_key"),
             "prompt_template": (self.prompt_template is None
@@ -449,14 +450,17 @@ def _importable(module: str) -> bool:
     return True
 
 
-def _names_files(spec: str) -> bool:
-    """Whether a --data / --val-data value names at least one file (data.data_files)."""
+def _why_no_files(spec: str | None, lead: str = "") -> str:
+    """Why a --data / --val-data value names no file (data.data_files's message, after `lead`), or ""."""
     from support import data
 
+    if spec is None:
+        return ""
     try:
-        return bool(data.data_files(spec))
-    except data.DataError:
-        return False
+        data.data_files(spec)
+    except data.DataError as err:
+        return f"{lead}{err}"
+    return ""
 
 
 def _check_preset_chosen() -> None:
