@@ -170,10 +170,12 @@ def stop_and_pad_ids(tokenizer, generation_config: GenerationConfig | None) -> t
     <|im_end|> and <|endoftext|>), which vLLM, TRL and verl stop on too. ValueError naming the
     fix when the tokenizer has no EOS or no pad token."""
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    if eos is None or pad is None:
-        raise ValueError(f"the tokenizer has no {'eos_token' if eos is None else 'pad_token'} (Llama's has no pad "
-                         f"token): set it in the model's tokenizer_config.json, the pad token to a special token "
-                         f"the model never generates")
+    if eos is None:
+        raise ValueError("the tokenizer has no eos_token, the token that ends a response: set it in the model's "
+                         "tokenizer_config.json")
+    if pad is None:
+        raise ValueError("the tokenizer has no pad_token (Llama's has none): set it in the model's "
+                         "tokenizer_config.json, to a special token the model never generates")
     listed = getattr(generation_config, "eos_token_id", None)
     listed = [] if listed is None else [listed] if isinstance(listed, int) else list(listed)
     return [eos, *(t for t in dict.fromkeys(listed) if t != eos)], pad

@@ -43,7 +43,7 @@ from ppo import response_logprobs, token_logprobs_and_entropy
 from ppo_update import assert_finite, masked_whiten, micro_batched_forward, update_model
 from rollout import HFRollout, RolloutBatch, stop_and_pad_ids
 from sampling import Sampler
-from support.sft import ModelError, prepare_sft
+from support.sft import ModelError, check_vocabulary, prepare_sft
 from support.vllm_rollout import VLLMRollout
 from value_pretrain import check_rerun, prepare_value_critic
 from reward import Grader
@@ -282,6 +282,8 @@ def run(cfg: Config, dist_info) -> dict:
         stop_and_pad_ids(tokenizer, None)
     except ValueError as err:
         raise refusal(cfg, sft_path, err) from None
+    if cfg.model:
+        check_vocabulary(cfg.model, tokenizer)
     train_records, eval_records = prepare_data(cfg, tokenizer)
     grader = Grader(num_workers=cfg.grader_workers, timeout_s=cfg.grader_timeout_s)
     models = {"actor": load_actor(cfg, sft_path, dist_info)}

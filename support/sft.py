@@ -188,14 +188,16 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-def check_model(path: str, weights: bool = True, positions: int | None = None) -> None:
+def check_model(path: str, weights: bool = True, positions: int | None = None, critic: bool = False) -> None:
     """Stop with one line naming `path` and its fault, before anything loads it, unless it holds a
     config.json of a causal LM that transformers knows (not a value or reward model: its head would
-    be dropped in silence) with room for `positions` (prompt + response) in its context, and
-    (`weights`) safetensors whose headers cover the files, and a tokenizer (without one,
-    transformers 5 makes an empty one, silently)."""
+    be dropped in silence), also as a token-classification model when the run trains a `critic` on
+    its backbone, with room for `positions` (prompt + response) in its context, and (`weights`)
+    safetensors whose headers cover the files, and a tokenizer (without one, transformers 5 makes an
+    empty one, silently)."""
     from transformers import CONFIG_MAPPING
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES)
 
     where, root = f"--model {path}", Path(path)
     if not (root / "config.json").is_file():
@@ -210,6 +212,10 @@ def check_model(path: str, weights: bool = True, positions: int | None = None) -
     if model_type not in CONFIG_MAPPING or model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise ModelError(f"{where}: config.json's model_type {model_type!r} is not a causal LM that this "
                          f"transformers knows")
+    if critic and model_type not in MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES:  # OPT, OLMo, Gemma 3, ...
+        raise ModelError(f"{where}: transformers has no token-classification model for model_type {model_type!r}, "
+                         f"which the critic and the outcome reward model are built as (critic.py); --estimator grpo "
+                         f"trains no critic")
     scalar_heads = [a for a in config.get("architectures") or [] if str(a).endswith(SCALAR_HEADS)]
     if scalar_heads:
         raise ModelError(f"{where}: a {scalar_heads[0]} (a value or reward model's scalar head), not a policy; "
@@ -243,6 +249,18 @@ def check_model(path: str, weights: bool = True, positions: int | None = None) -
             raise ModelError(f"{where}: {shard.name} is unreadable, truncated? ({e})") from None
     if not any((root / name).is_file() for name in TOKENIZER_FILES):
         raise ModelError(f"{where}: no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
+
+
+def check_vocabulary(path: str, tokenizer) -> None:
+    """ModelError when the tokenizer has ids past the model's embedding rows: the first prompt that
+    holds one stopped the run with an IndexError inside torch. (More rows than tokens is usual:
+    Qwen2.5 pads its embedding.)"""
+    from transformers import AutoConfig
+
+    rows = getattr(AutoConfig.from_pretrained(path).get_text_config(), "vocab_size", None)
+    if isinstance(rows, int) and len(tokenizer) > rows:
+        raise ModelError(f"--model {path}: the tokenizer has {len(tokenizer)} tokens and the model's embedding "
+                         f"{rows} rows (vocab_size): is it the model's own tokenizer?")
 
 
 SCALAR_HEADS = ("ForTokenClassification", "ForSequenceClassification")  # what critics and reward models are saved as
@@ -289,7 +307,7 @@ def prepare_sft(cfg) -> str:
     (`cfg.sft_steps` steps, None: the default) and reused by every later run whose settings it was made with (a cached
     stage, `rundir.build_once`)."""
     if cfg.model is not None:
-        check_model(cfg.model, positions=positions_needed(cfg))
+        check_model(cfg.model, positions=positions_needed(cfg), critic=cfg.estimator == "gae")
         return cfg.model
     path = Path(sft_cache_path(cfg))
     wanted = sft_config(cfg)

@@ -263,8 +263,11 @@ def bad_models(sft: str, root: Path) -> dict:
             variant("critic", edit("config.json", architectures=["Qwen2ForTokenClassification"])),
         # Sampled past the positions the model was trained on (hf), or a vLLM traceback after loading.
         "its context holds 48 positions .* ask for 552": variant("short", edit("config.json", max_position_embeddings=48)),
-        "the tokenizer has no pad_token \\(Llama's has no pad token\\)":
-            variant("nopad", edit("tokenizer_config.json", pad_token=None)),
+        "the tokenizer has no pad_token \\(Llama's has none\\)": variant("nopad", edit("tokenizer_config.json", pad_token=None)),
+        "the tokenizer has no eos_token, the token that ends a response":
+            variant("noeos", edit("tokenizer_config.json", eos_token=None)),
+        # A tokenizer that is not the model's: an IndexError inside torch at the first prompt with such an id.
+        "the tokenizer has 74 tokens and the model's embedding 60 rows": variant("vocab", edit("config.json", vocab_size=60)),
     }
 
 
@@ -284,9 +287,29 @@ def test_a_tokenizer_without_a_pad_token_is_refused_before_the_actor_loads(out_d
     loaded, minutes at 32B."""
     from support import checkpoints
 
-    path = bad_models(sft, tmp_path)["the tokenizer has no pad_token \\(Llama's has no pad token\\)"]
+    path = bad_models(sft, tmp_path)["the tokenizer has no pad_token \\(Llama's has none\\)"]
     monkeypatch.setattr(checkpoints, "load_pretrained", lambda *a, **k: pytest.fail("the actor was loaded"))
     refused(out_dir, "--run-name", "badmodel", "--model", path, *QUICK, match="the tokenizer has no pad_token")
+
+
+def test_a_model_type_with_no_token_classification_model_trains_no_critic_on_it(out_dir, sft, tmp_path):
+    """OPT (and OLMo, Gemma 3, GPT-J, ...: most causal LMs of transformers) has no ForTokenClassification
+    class, so the critic could not be built on its backbone: the run stopped with a traceback after the actor
+    was loaded and evaluated. It is refused at the model check; GRPO, which trains no critic, takes it."""
+    import transformers
+
+    path = tmp_path / "opt"
+    transformers.OPTForCausalLM(transformers.OPTConfig(vocab_size=74, hidden_size=16, num_hidden_layers=1,
+                                                       num_attention_heads=2, ffn_dim=32, word_embed_proj_dim=16,
+                                                       max_position_embeddings=1024)).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(sft, name), path / name)
+    check_model(str(path))  # a policy all the same
+    with pytest.raises(ModelError, match=rf"--model {re.escape(str(path))}: transformers has no token-classification "
+                                         rf"model for model_type 'opt', .*; --estimator grpo trains no critic"):
+        check_model(str(path), critic=True)
+    refused(out_dir, "--run-name", "opt", "--model", str(path), *QUICK, match="no token-classification model")
+    assert not (out_dir / "opt").exists()
 
 
 def test_pytorch_model_bin_weights_are_checked_like_safetensors(sft, tmp_path):
