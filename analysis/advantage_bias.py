@@ -98,12 +98,12 @@ class BiasResult:
     # of each response's mean A_t over its first quarter (the issue's Fig. 2 criterion)
     box: dict[str, dict]  # critic -> V(s_t) just before and just after the final box opens (TD errors there)
     orm_quality: dict  # reward model -> subset -> AUC, sign accuracy, base rate on these (held-out) responses
+    offset: float = 0.0  # added to the SFT + fresh-head critic's values
 
     @property
     def bin_centre(self) -> np.ndarray:
         """[n_bins] the middle token position of each bin, where a plot puts its mean."""
         return self.bin_start + (self.bin_size - 1) / 2
-    offset: float = 0.0  # added to the SFT + fresh-head critic's values
 
 
 def check_args(args: Args) -> None:
