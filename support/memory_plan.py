@@ -269,9 +269,11 @@ def _host_rows(actor: ModelShape, critic: ModelShape, world_size: int, ranks: in
     else:  # DCP copies one tensor (+10 MB ahead) per rank off the GPU as it writes
         rows.append(("DCP save: one tensor per rank staged from the GPU", 0.0, 0.0, node(largest / world_size + 10e6),
                      0.0))
-    # Value pretraining and the ORM export a Hugging Face checkpoint: rank 0 holds one file's bucket.
-    rows.append(("HF export on rank 0: one 4 GiB file + one tensor", 0.0, 0.0, 0.0,
-                 (EXPORT_SHARD_BYTES + largest) / GIB))
+    # Value pretraining and the ORM export a Hugging Face checkpoint: rank 0 holds one file's bucket,
+    # the whole model where it is smaller than a file (fp32 bytes: an upper bound for a bf16 export).
+    bucket = min(EXPORT_SHARD_BYTES, max(actor.params(), critic.params(value_head=True)) * 4)
+    rows.append((f"HF export on rank 0: one file's {bucket / GIB:.3g} GiB + one tensor", 0.0, 0.0, 0.0,
+                 (bucket + largest) / GIB))
     rows.append(("vLLM CPU swap", 0.0, 0.0, 0.0, 0.0))
     return rows
 

@@ -567,6 +567,22 @@ def test_memory_plan_host_per_node_holds_read_buffers_not_whole_models():
     assert at_16.startswith("at 16 GPUs (2 nodes of 8)") and "(fits)" in at_16 and "host" in at_16
 
 
+def test_memory_plan_export_row_holds_a_small_model_whole_not_a_4_gib_file():
+    """The export streams files of up to 4 GiB: a model smaller than that is one file of its own
+    size (the plan said 4 GiB for a model of a million parameters), and the 32B model's stays 4 GiB."""
+    from support.memory_plan import GIB, QWEN25_32B, ModelShape, plan
+
+    _, model = tiny_actor()
+    shape = ModelShape.from_config(model.config)
+    export = {name: values[-1] for name, *values in plan(shape, world_size=2, tensor_parallel_size=1).host_rows
+              if name.startswith("HF export")}
+    whole = shape.params(value_head=True) * 4  # the critic: the actor's backbone and a head, in fp32
+    assert export == {f"HF export on rank 0: one file's {whole / GIB:.3g} GiB + one tensor":
+                      pytest.approx((whole + shape.largest_tensor * 4) / GIB)}
+    export = [values[-1] for name, *values in plan(QWEN25_32B, world_size=16).host_rows if name.startswith("HF export")]
+    assert export == [pytest.approx((4 * GIB + QWEN25_32B.largest_tensor * 4) / GIB)]
+
+
 def test_memory_plan_largest_tensor_is_the_real_models_largest():
     """The DCP save and export rows stage the largest tensor: an MLP matrix when the vocabulary is
     smaller than the MLP's width (the tiny task model's), not the embedding."""
