@@ -154,7 +154,8 @@ def rule_reward(response: str, ground_truth: str, timeout_s: float = 5.0) -> flo
     """+1.0 if the response's last box equals the ground truth mathematically, else -1.0.
 
     Only `response` is graded, so callers pass the response text alone (a box in the prompt must not
-    count). Never raises on any response, and never takes much longer than `timeout_s`: math-verify
+    count). Never raises on any response (ValueError for a ground truth that is neither text nor a
+    number), and never takes much longer than `timeout_s`: math-verify
     runs in the worker of a one-worker `Grader`, started at the first call and kept for the next
     ones, and an answer it cannot grade in time scores -1. Batches: use a `Grader` of their own.
     """
@@ -269,6 +270,9 @@ class Grader:
         """Outcomes (+1 / -1) of `responses` (response text only) against `answers` (ground truths)."""
         if len(responses) != len(answers):
             raise ValueError(f"grade: {len(responses)} responses but {len(answers)} answers")
+        for i, gold in enumerate(answers):  # None or NaN read as text would match a response boxing "None"
+            if isinstance(gold, bool) or not isinstance(gold, (str, int, float)) or gold != gold:
+                raise ValueError(f"grade: answers[{i}] is {gold!r}, not a ground truth (text or a number)")
         if not self.workers:
             raise ValueError("grade: this Grader is closed")
         outcomes = [-1.0] * len(responses)

@@ -102,9 +102,11 @@ def test_fast_path_decides_without_math_verify():
 
 
 def test_rule_reward_never_raises_on_garbage():
+    """Any response is graded, garbage included; a ground truth that is not one is the caller's error."""
     for response in [None, 12, "\\boxed{\\frac{", "\\boxed{" + "{" * 5000, "\\boxed{\\begin{x}}", "\\boxed{)(}"]:
         assert rule_reward(response, "1") == -1.0
-    assert rule_reward("\\boxed{1}", None) == -1.0
+    with pytest.raises(ValueError, match="answers\\[0\\] is None, not a ground truth"):
+        rule_reward("\\boxed{None}", None)  # graded as the text "None", it scored +1
 
 
 def test_grader_rejects_mismatched_lengths_and_bad_settings():
@@ -113,6 +115,11 @@ def test_grader_rejects_mismatched_lengths_and_bad_settings():
     with Grader(num_workers=1) as grader:
         with pytest.raises(ValueError):
             grader.grade(["\\boxed{1}"], [])
+        # A ground truth that is no text or number was graded as its text: None matched \boxed{None}.
+        for gold in (None, float("nan"), True, [1, 2], {"x": 1}):
+            with pytest.raises(ValueError, match=r"grade: answers\[1\] is .*, not a ground truth \(text or a number\)"):
+                grader.grade(["\\boxed{1}", f"\\boxed{{{gold}}}"], ["1", gold])
+        assert grader.grade(["\\boxed{2}", "\\boxed{0.5}"], [2, 0.5]).outcomes == [1.0, 1.0]  # numbers are golds
 
 
 @pytest.mark.slow
