@@ -112,16 +112,19 @@ def load_pretrained(model_class, path: str, config=None, fresh=(), device=None, 
 
 
 def without_dropout(config):
-    """`config` with every dropout probability at 0 (attention, residual, embedding, head, layer
-    drop), as verl and TRL train. PPO's ratio divides the update's forward (in training mode) by the
-    log-probs taken before it (in eval mode), and the critic regresses on targets built from its own
-    eval-mode values: with dropout on, neither is 1 or exact before the first step. Qwen2 and Llama
-    have none; GPT-2 and OPT have 0.1. The exported actor's config keeps the zeros."""
-    for sub in {id(c): c for c in (config, config.get_text_config())}.values():
-        for name, value in list(vars(sub).items()):
-            is_probability = isinstance(value, (int, float)) and not isinstance(value, bool)
-            if is_probability and ("dropout" in name or "pdrop" in name or name == "layerdrop"):
-                setattr(sub, name, 0.0)
+    """`config` with every dropout probability at 0 (any number named `*drop*`: attention, residual,
+    embedding, head, layer drop, drop path), in the configs it nests too (a multimodal model's text
+    config), as verl and TRL train. PPO's ratio divides the update's forward (in training
+    mode) by the log-probs taken before it (in eval mode), and the critic regresses on targets built
+    from its own eval-mode values: with dropout on, neither is 1 or exact before the first step.
+    Qwen2 and Llama have none; GPT-2 and OPT have 0.1. The exported actor's config keeps the zeros."""
+    from transformers import PretrainedConfig
+
+    for name, value in list(vars(config).items()):
+        if isinstance(value, PretrainedConfig):
+            without_dropout(value)
+        elif "drop" in name and isinstance(value, (int, float)) and not isinstance(value, bool) and value:
+            setattr(config, name, type(value)(0))  # its own type: transformers 5 checks a field's type when set
     return config
 
 

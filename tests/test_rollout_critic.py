@@ -203,6 +203,22 @@ def test_actor_and_critic_load_without_dropout_so_the_first_ratio_is_one(policy,
         assert all(torch.equal(out, eval_out) for out in train_outs)
 
 
+def test_every_dropout_of_a_config_is_zeroed_nested_ones_and_layer_drops_included():
+    """Dropouts go by many names (resid_pdrop, hidden_dropout_prob, decoder_layerdrop, drop_path_rate)
+    and some sit in a nested config (MPT's attention config); the other numbers stay as they are."""
+    import transformers
+
+    from support.checkpoints import without_dropout
+
+    bart = without_dropout(transformers.BartConfig(dropout=0.1, decoder_layerdrop=0.1, encoder_layerdrop=0.2))
+    assert (bart.dropout, bart.decoder_layerdrop, bart.encoder_layerdrop, bart.d_model) == (0.0, 0.0, 0.0, 1024)
+    llava = without_dropout(transformers.LlavaConfig(text_config={"model_type": "llama", "attention_dropout": 0.1}))
+    assert llava.text_config.attention_dropout == 0.0
+    mpt = without_dropout(transformers.MptConfig(resid_pdrop=0.1, emb_pdrop=0.1))  # its attn_pdrop is typed int
+    assert (mpt.resid_pdrop, mpt.emb_pdrop, mpt.attn_config.attn_pdrop) == (0.0, 0.0, 0)
+    assert without_dropout(transformers.Qwen2Config(attention_dropout=0.2)).attention_dropout == 0.0
+
+
 def test_assert_finite_names_the_bad_parameter(policy):
     _, _, path = policy
     critic = load_value_model(path)
