@@ -22,6 +22,7 @@ import atexit
 import dataclasses
 import logging
 import math
+import numbers
 import os
 import re
 import signal
@@ -107,20 +108,21 @@ def _gold_text(ground_truth: str) -> str:
 
 def ungradable_gold(ground_truth: str) -> str | None:
     """Why no response can ever match `ground_truth`, or None: its last box is empty or never closes,
-    nothing is left once its delimiters are taken off (`$$`), or its braces do not pair (`\\frac{1}{`)."""
+    nothing is left once its delimiters are taken off (`$$`), or a brace opens and never closes
+    (`\\frac{1}{`). A stray closing brace is not a reason: math-verify reads `12}` as 12."""
     if _BOX_OPEN.search(ground_truth) and last_boxed(ground_truth) is None:
         return "its last \\boxed{} is empty or never closes"
     gold = _gold_text(ground_truth)
     if not gold:
         return "it is empty inside its math delimiters"
-    depth, k = 0, 0
-    while k < len(gold) and depth >= 0:
+    unclosed, k = 0, 0
+    while k < len(gold):
         if gold[k] == "\\":  # \{ and \} are literal braces, as in last_boxed
             k += 2
             continue
-        depth += (gold[k] == "{") - (gold[k] == "}")
+        unclosed = unclosed + 1 if gold[k] == "{" else max(0, unclosed - 1) if gold[k] == "}" else unclosed
         k += 1
-    return "its braces do not pair" if depth else None
+    return "a brace opens and never closes" if unclosed else None
 
 
 def _fast_verdict(answer: str, gold: str) -> bool | None:
@@ -271,7 +273,7 @@ class Grader:
         if len(responses) != len(answers):
             raise ValueError(f"grade: {len(responses)} responses but {len(answers)} answers")
         for i, gold in enumerate(answers):  # None or NaN read as text would match a response boxing "None"
-            if isinstance(gold, bool) or not isinstance(gold, (str, int, float)) or gold != gold:
+            if isinstance(gold, bool) or not isinstance(gold, (str, numbers.Real)) or gold != gold:
                 raise ValueError(f"grade: answers[{i}] is {gold!r}, not a ground truth (text or a number)")
         if not self.workers:
             raise ValueError("grade: this Grader is closed")

@@ -14,8 +14,9 @@ pass@1, pass@k and response length after PPO (mean +- std over seeds) beside the
 | lam-actor-0.9, -0.99, -1.0 | VC-PPO with that lambda_actor (0.95 is vc-ppo itself) |
 | length-adaptive | VC-PPO with VAPO's lambda_actor = 1 - 1/(0.05 l) per response |
 
-(*) The variants set lambda_critic; lambda_actor is the preset's, 0.95 for the built-in task (`tiny`),
-as in the paper's rows these are set beside (its qwen2.5 presets take 0.99).
+(*) The variants set lambda_critic only; lambda_actor is the preset's: 0.95 on the built-in task
+(`tiny`), which is what the paper's numbers beside these rows used, and 0.99 with a qwen2.5 preset
+(where vc-ppo is then lambda 0.99 / 1.0, and lam-actor-0.99 the same run).
 
 Runs go to <out-dir>/ablation__<variant>__seed<seed>/, each with its log in train.log. pi_SFT,
 the ORM and the value-pretrained critic are shared through <out-dir>/_shared, like every train.py
@@ -364,7 +365,8 @@ def markdown(agg: dict, wall: float, ran: int, runs: list[Run], loaded: dict, ta
              f"Held-out evaluation after PPO, mean ± std over seeds (sample std). pass@1 and {k} from "
              f"the same samples; 'min train length' is the lowest batch-mean response length over the PPO "
              f"steps (a length collapse shows here); 'critic EV' is the critic's explained variance of the "
-             f"Monte-Carlo return G_t on the first PPO batch (how calibrated it starts); the paper's column is AIME 2024 pass@1 "
+             f"Monte-Carlo return G_t on the first PPO batch (how calibrated it starts; '-' for runs made before it was "
+             f"logged); the paper's column is AIME 2024 pass@1 "
              f"(%) at 8k context.", "",
              f"| variant | seeds | pass@1 | {k} | mean length | min train length | critic EV of G_t, step 0 | paper pass@1 |",
              "|---|---|---|---|---|---|---|---|"]

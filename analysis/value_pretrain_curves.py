@@ -116,8 +116,8 @@ def markdown(curves: list[Curve]) -> str:
         "# Value pretraining curves (paper §3.2)", "",
         "Value loss and explained variance of the critic against the frozen pi_SFT, per pretraining step "
         "(`value_pretrain/curve.jsonl`). Explained variance is measured on each step's fresh rollouts before "
-        "the update (NaN where all returns were equal); the value loss is the mean over that step's "
-        "updates (`critic/vf_loss`), so it already includes them.", "",
+        "the update (NaN where all returns were equal); the value loss is the mean of the loss over that "
+        "step's optimizer updates (`critic/vf_loss`), so it moves during the step.", "",
         "| run | steps | loss first | loss last | loss min (step) | EV first | EV last | EV max (step) |",
         "|---|---|---|---|---|---|---|---|", *rows, "",
         *[f"- {c.label}: {c.path}" for c in curves], "",

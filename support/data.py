@@ -97,22 +97,30 @@ def _named_files(spec: str | Path) -> tuple[list[Path], list[Path]]:
     """(`data_files(spec)`, the other files of its folder or glob, which are not read)."""
     spec = os.path.expanduser(str(spec))
     path = Path(spec)
-    if glob.has_magic(spec) and not path.exists():
-        matched = [Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file()]
+    if glob.has_magic(spec) and not path.is_symlink() and not path.exists():
+        matched = [Path(p) for p in glob.glob(spec, recursive=True) if _is_file(Path(p))]
         files = sorted(p for p in matched if p.suffix.lower() in SUFFIXES)
         if not files:
             raise DataError(f"{spec}: the pattern matches no {', '.join(SUFFIXES)} file"
                             + (f" (it matches {len(matched)} other files)" if matched else ""))
         return files, sorted(set(matched) - set(files))
     if path.is_dir():
-        listed = [p for p in path.iterdir() if p.is_file()]
+        listed = [p for p in path.iterdir() if _is_file(p)]
         files = sorted(p for p in listed if p.suffix.lower() in SUFFIXES)
         if not files:
             raise DataError(f"{spec}: a folder with no {', '.join(SUFFIXES)} file")
         return files, sorted(set(listed) - set(files))
-    if not path.is_file():
+    if not _is_file(path):
         raise DataError(f"{spec}: no file or folder of that name")
     return [path], []
+
+
+def _is_file(path: Path) -> bool:
+    """Whether `path` is a file; DataError for a symbolic link to nothing, which would be passed over
+    in silence (a Hugging Face cache's snapshot holds links into its blobs: a download cut short)."""
+    if path.is_symlink() and not path.exists():
+        raise DataError(f"{path}: a symbolic link to {os.readlink(path)}, which does not exist (a download cut short?)")
+    return path.is_file()
 
 
 def field(record: dict, key: str):
@@ -536,7 +544,7 @@ def _load(cfg, spec: str, tokenizer, prompt_key: str, answer_key: str, answer_fo
           f"{stats.dropped_too_long} over {cfg.max_prompt_tokens} tokens dropped{first})")
     if others := [p for p in _named_files(spec)[1] if not p.name.startswith(".")]:  # not .gitattributes
         kinds = sorted({"".join(p.suffixes) or p.name for p in others})
-        _say(f"note: {spec}: {len(others)} other files not read ({', '.join(kinds)}); only "
+        _say(f"note: {spec}: {len(others)} other file{'s' * (len(others) > 1)} not read ({', '.join(kinds)}); only "
              f"{', '.join(SUFFIXES)} files are data")
     if not records:
         raise DataError(f"{spec}: no usable records ({stats.skipped_malformed} malformed skipped, "

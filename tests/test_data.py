@@ -73,8 +73,8 @@ def test_chat_template_is_applied_with_generation_prompt(tmp_path):
     ({"prompt": "x", "answer": "\\boxed{}"}, "no response can match this answer: its last \\\\boxed{} is empty"),
     ({"prompt": "x", "answer": "so \\boxed{\\frac{1}{2}"}, "no response can match this answer: its last \\\\boxed{} is "
      "empty or never closes"),
-    ({"prompt": "x", "answer": "\\frac{1}{"}, "no response can match this answer: its braces do not pair"),
-    ({"prompt": "x", "answer": "}{"}, "no response can match this answer: its braces do not pair"),
+    ({"prompt": "x", "answer": "\\frac{1}{"}, "no response can match this answer: a brace opens and never closes"),
+    ({"prompt": "x", "answer": "}{"}, "no response can match this answer: a brace opens and never closes"),
 ])
 def test_bad_line_error_names_file_and_line(tmp_path, bad_line, message):
     path = write_jsonl(tmp_path / "d.jsonl", GOOD[:2] + [bad_line] + GOOD[2:])
@@ -465,6 +465,16 @@ def test_records_written_over_several_lines_are_named_so_not_taken_for_lines_cut
         load_records(tmp_path / "d.jsonl", char_tokenizer())
 
 
+def test_golds_a_response_can_match_are_kept_stray_closing_brace_and_literal_braces_included(tmp_path, grader):
+    """Only a gold no response can match is a bad record: math-verify reads `12}` as 12, and `\\{1,2\\}`,
+    `\\left\\{...\\right.` and an escaped dollar hold braces and dollars that are not delimiters."""
+    golds = ["12}", "\\{1,2\\}", "\\left\\{ x \\right.", "\\$18.90", "$\\frac{1}{2}$", "\\fbox{3}"]
+    records, _ = load_records(write_jsonl(tmp_path / "d.jsonl", [{"prompt": "x", "answer": g} for g in golds]),
+                              char_tokenizer())
+    assert [r["answer"] for r in records] == golds
+    assert grader.grade(["\\boxed{12}", "\\boxed{\\frac{1}{2}}"], ["12}", "$\\frac{1}{2}$"]).outcomes == [1.0, 1.0]
+
+
 def test_a_parquet_decimal_answer_is_a_number(tmp_path):
     """Parquet's decimal128 column reads as Python's Decimal, which was refused as "not text or a number".
     It is written out at the column's scale (2.00), which the grader takes for 2."""
@@ -497,6 +507,11 @@ def test_an_existing_path_with_glob_characters_is_itself_and_files_not_read_are_
     cfg.data = str(named)  # a file alone: nothing else named
     prepare_data(cfg, char_tokenizer())
     assert "not read" not in capsys.readouterr().out
+    # A symbolic link to nothing (a Hugging Face cache's snapshot after a download cut short) is said, not passed over.
+    (tmp_path / "run[a]" / "part0.jsonl").symlink_to(tmp_path / "blobs" / "missing")
+    for spec in (tmp_path / "run[a]", f"{tmp_path}/run?a?/*.jsonl", tmp_path / "run[a]" / "part0.jsonl"):
+        with pytest.raises(DataError, match=r"part0\.jsonl: a symbolic link to .*blobs/missing, which does not exist"):
+            data_files(spec)
 
 
 def test_held_out_problems_that_are_also_training_problems_are_said_for_a_users_data(tmp_path, capsys):

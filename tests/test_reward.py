@@ -119,7 +119,10 @@ def test_grader_rejects_mismatched_lengths_and_bad_settings():
         for gold in (None, float("nan"), True, [1, 2], {"x": 1}):
             with pytest.raises(ValueError, match=r"grade: answers\[1\] is .*, not a ground truth \(text or a number\)"):
                 grader.grade(["\\boxed{1}", f"\\boxed{{{gold}}}"], ["1", gold])
-        assert grader.grade(["\\boxed{2}", "\\boxed{0.5}"], [2, 0.5]).outcomes == [1.0, 1.0]  # numbers are golds
+        import numpy as np
+
+        golds = [2, 0.5, np.int64(7)]  # numbers are golds, numpy's (a pandas column's) too
+        assert grader.grade(["\\boxed{2}", "\\boxed{0.5}", "\\boxed{7}"], golds).outcomes == [1.0, 1.0, 1.0]
 
 
 @pytest.mark.slow
