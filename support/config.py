@@ -299,6 +299,8 @@ class Config:
         numbers of micro-batches would call FSDP's collectives out of step (a crash on gloo, a hang
         on NCCL)."""
         rows_per_rank = self.prompts_per_step // world_size * self.samples_per_prompt
+        no_data = _why_no_files(self.data, "; here, ")  # each listed once: a glob may match many files
+        no_val_data = "".join(_why_no_files(spec, "; here, ") for spec in self.val_data or ())
         checks = {  # field: (valid, what valid is)
             "lam_actor": (0.0 <= self.lam_actor <= 1.0, "in [0, 1]"),
             "lam_critic": (0.0 <= self.lam_critic <= 1.0, "in [0, 1]"),
@@ -337,13 +339,11 @@ class Config:
             "max_new_tokens": (self.max_new_tokens >= 1, ">= 1"),
             "temperature": (self.temperature > 0, "> 0"),
             "top_p": (0.0 < self.top_p <= 1.0, "in (0, 1]"),
-            "data": (self.data is None or (self.model is not None and not _why_no_files(self.data)),
+            "data": (self.data is None or (self.model is not None and not no_data),
                      "a file, a folder of .json/.jsonl/.parquet files or a glob matching files, with --model: "
-                     "the built-in pi_SFT knows only the built-in task" + _why_no_files(self.data, "; here, ")),
-            "val_data": (self.val_data is None or (self.data is not None and bool(self.val_data)
-                                                   and not any(map(_why_no_files, self.val_data))),
-                         "files, folders or globs matching files, with --data"
-                         + "".join(_why_no_files(spec, "; here, ") for spec in self.val_data or ())),
+                     "the built-in pi_SFT knows only the built-in task" + no_data),
+            "val_data": (self.val_data is None or (self.data is not None and bool(self.val_data) and not no_val_data),
+                         "files, folders or globs matching files, with --data" + no_val_data),
             "val_prompt_key": self._per_val_set("val_prompt_key"),
             "val_answer_key": self._per_val_set("val_answer_key"),
             "prompt_template": (self.prompt_template is None
@@ -450,7 +450,7 @@ def _importable(module: str) -> bool:
     return True
 
 
-def _why_no_files(spec: str | None, lead: str = "") -> str:
+def _why_no_files(spec: str | None, lead: str) -> str:
     """Why a --data / --val-data value names no file (data.data_files's message, after `lead`), or ""."""
     from support import data
 
