@@ -56,6 +56,8 @@ class LoadStats:
     dropped_too_long: int = 0  # prompts over max_prompt_tokens
     # The first skipped line, as the error it would have stopped on: a wrong --prompt-key skips every line.
     first_skipped: str = dataclasses.field(default="", compare=False)
+    # Files the folder or glob held that are not data (.csv, .jsonl.gz): said, not read.
+    not_read: list[Path] = dataclasses.field(default_factory=list, compare=False)
 
 
 class DataError(ValueError):
@@ -382,7 +384,7 @@ def load_records(
         raise ValueError(f"load_records: max_prompt_tokens must be >= 1, got {max_prompt_tokens}")
     records, stats = [], LoadStats()
     template_marks = _template_marks(tokenizer)
-    files = data_files(path)
+    files, stats.not_read = _named_files(path)
     set_names = _set_names(files)
 
     def bad_record(error: DataError) -> None:  # stop on it, or count it (the first kept, to name it)
@@ -542,7 +544,7 @@ def _load(cfg, spec: str, tokenizer, prompt_key: str, answer_key: str, answer_fo
     first = f"; the first skipped: {stats.first_skipped}" if stats.first_skipped else ""
     _say(f"data: {stats.loaded} records from {spec} ({stats.skipped_malformed} malformed skipped, "
           f"{stats.dropped_too_long} over {cfg.max_prompt_tokens} tokens dropped{first})")
-    if others := [p for p in _named_files(spec)[1] if not p.name.startswith(".")]:  # not .gitattributes
+    if others := [p for p in stats.not_read if not p.name.startswith(".")]:  # not .gitattributes
         kinds = sorted({"".join(p.suffixes) or p.name for p in others})
         _say(f"note: {spec}: {len(others)} other file{'s' * (len(others) > 1)} not read ({', '.join(kinds)}); only "
              f"{', '.join(SUFFIXES)} files are data")
