@@ -29,8 +29,11 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 demo: venv
 	$(BIN)/python train.py --resume
 
+# One pytest worker a core (four at most: a multi-process test starts up to three more processes),
+# each test file on one worker, so that a module's fixtures (a trained pi_SFT, a torchrun run) are
+# built once.
 test: venv
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile
 
 bench: venv
 	$(BIN)/python bench/gae_bench.py

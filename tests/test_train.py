@@ -25,12 +25,13 @@ import train
 from reward import GradeResult
 
 ROOT = Path(__file__).resolve().parents[1]
-# A few seconds per stage: a barely trained pi_SFT, short responses, tiny batches.
+# A few seconds per stage: a barely trained pi_SFT, short responses, tiny batches, and one torch
+# thread, as in conftest.py (unset, a run takes every core, which another test worker is using).
 MICRO = [
     "--sft-steps", "8", "--task-train-size", "64", "--task-eval-size", "4",
     "--prompts-per-step", "4", "--samples-per-prompt", "2", "--max-new-tokens", "40",
     "--micro-batch-size", "3", "--num-minibatches", "2", "--eval-samples", "2",
-    "--orm-batches", "1", "--orm-steps", "3", "--grader-workers", "1",
+    "--orm-batches", "1", "--orm-steps", "3", "--grader-workers", "1", "--threads", "1",
 ]
 
 
@@ -844,7 +845,9 @@ def one_node_and_two_nodes(tmp_path_factory):
     (the ORM trained sharded) and a reference policy, so every model goes through the sharded
     loader: once as one node of 2 processes, once as two torchrun agents (--nnodes 2, one process
     each, distinct --node-rank, c10d rendezvous on localhost), which is how two nodes run it."""
-    flags = [*TORCHRUN_MICRO, "--rollout", "hf", "--critic-init", "rm", "--kl-coef", "0.05"]
+    # --threads 1: unset, a rank takes its share of the machine's cores (2 ranks on one node, 1 on
+    # each of two), and another thread count rounds the matrix products otherwise.
+    flags = [*TORCHRUN_MICRO, "--rollout", "hf", "--critic-init", "rm", "--kl-coef", "0.05", "--threads", "1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     one_node = tmp_path_factory.mktemp("one_node")
     done = subprocess.run([*TORCHRUN, "--nproc_per_node", "2", str(ROOT / "train.py"), "--out-dir", str(one_node),
