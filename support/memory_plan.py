@@ -78,8 +78,11 @@ class ModelShape:
 
     def activation_elements_per_token(self) -> int:
         """Tensors one decoder layer saves for backward, per token (memory-efficient attention:
-        no seq x seq scores): norms and residuals, q/k/v before and after rotary, the attention
-        output, and the MLP's gate, up, activation and product."""
+        no seq x seq scores): each norm's input, scale and output, q and k after rotary, v, the
+        attention's output and log-sum-exp, and the MLP's gate, up, activation and product; 3 kv
+        bounds k, v and the few scalars (tests/test_distributed.py counts them). With a padding
+        mask transformers repeats K and V to the query heads before SDPA: 2 (heads - kv_heads)
+        head_dim more, ~5% at Qwen2.5-32B's shape, not counted."""
         kv = self.kv_heads * self.head_dim
         return 8 * self.hidden + 3 * kv + 4 * self.intermediate
 

@@ -469,6 +469,39 @@ def test_memory_plan_reads_a_head_width_that_is_not_hidden_over_heads():
     assert ModelShape.from_config(config).params() == sum(p.numel() for p in model.parameters())
 
 
+def test_memory_plan_counts_what_a_decoder_layer_saves_for_backward():
+    """activation_elements_per_token against the tensors autograd keeps: those a tiny Qwen2 of two
+    layers saves beyond one of one layer (parameters aside, each storage once), per token, in
+    training mode on the unmasked path the update takes when no prompt is left-padded."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from support.memory_plan import ModelShape
+
+    config = Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=344, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, max_position_embeddings=128)
+    ids = torch.randint(0, 64, (2, 48), generator=torch.Generator().manual_seed(0))
+
+    def saved_elements(layers):
+        config.num_hidden_layers = layers
+        model = Qwen2ForCausalLM(config).train()
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        storages = {}
+
+        def keep(tensor):
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in params:
+                storages[storage.data_ptr()] = storage.nbytes() // tensor.element_size()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+            model(input_ids=ids, use_cache=False)
+        return sum(storages.values())
+
+    per_token = (saved_elements(2) - saved_elements(1)) / ids.numel()
+    counted = ModelShape.from_config(config).activation_elements_per_token()
+    assert per_token <= counted <= 1.02 * per_token, (per_token, counted)
+
+
 def test_memory_plan_32b_actor_and_critic_fit_16_h200_but_not_8():
     from support.memory_plan import QWEN25_32B, plan
 
