@@ -24,7 +24,7 @@ import train
 import value_pretrain
 from support.config import ConfigError
 from dist_workers.common import full_disk, full_disk_safetensors
-from test_train import MICRO, ROOT, TORCHRUN, micro_config, read_metrics
+from test_train import MICRO, ROOT, TORCHRUN_ONE_NODE, micro_config, read_metrics
 
 FLAGS = ["--value-pretrain-steps", "1", "--save-every", "1"]
 
@@ -474,8 +474,8 @@ def test_torchrun_run_reusing_a_shared_critic_trains_and_sigterm_saves_every_ran
     shutil.copytree(base / "value_pretrain", shared)
     rundir.write_json(os.path.join(shared, "settings.json"), settings)
     log = tmp_path / "log"
-    second = launch([*TORCHRUN, "--nproc_per_node", "2", str(ROOT / "tests" / "dist_workers" / "late_rank_train.py"),
-                     "--out-dir", str(out_dir), *MICRO,
+    second = launch([*TORCHRUN_ONE_NODE, "--nproc_per_node", "2", str(ROOT / "tests" / "dist_workers" /
+                     "late_rank_train.py"), "--out-dir", str(out_dir), *MICRO,
                      *flags, "--steps", "20", "--save-every", "100"], log)
     run_dir = out_dir / "tr-b"
     wait_for_rows(second, run_dir / "metrics.jsonl", 1, log, timeout=180)

@@ -822,14 +822,16 @@ def test_resumed_metrics_log_replaces_the_steps_logged_after_the_checkpoint(tmp_
 
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+# One node, its rendezvous on a free port: torchrun's default, 29500, may be held by another test worker.
+TORCHRUN_ONE_NODE = [*TORCHRUN, "--standalone"]
 TORCHRUN_MICRO = [*MICRO, "--sft-steps", "4", "--steps", "2", "--value-pretrain-steps", "1"]
 
 
 @pytest.mark.slow
 def test_whole_pipeline_runs_under_torchrun_with_fsdp2_and_vllm(tmp_path):
     """Issue 5's end-to-end check: 2 ranks (gloo), FSDP2 actor and critic, vLLM tensor parallel 2."""
-    cmd = [*TORCHRUN, "--nproc_per_node", "2", str(ROOT / "train.py"), "--out-dir", str(tmp_path), *TORCHRUN_MICRO,
-           "--rollout", "vllm", "--tensor-parallel-size", "2"]
+    cmd = [*TORCHRUN_ONE_NODE, "--nproc_per_node", "2", str(ROOT / "train.py"), "--out-dir", str(tmp_path),
+           *TORCHRUN_MICRO, "--rollout", "vllm", "--tensor-parallel-size", "2"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     # vLLM's clean-up at exit printed "Invalid process group" on every rank when the default group went first.
@@ -850,8 +852,8 @@ def one_node_and_two_nodes(tmp_path_factory):
     flags = [*TORCHRUN_MICRO, "--rollout", "hf", "--critic-init", "rm", "--kl-coef", "0.05", "--threads", "1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     one_node = tmp_path_factory.mktemp("one_node")
-    done = subprocess.run([*TORCHRUN, "--nproc_per_node", "2", str(ROOT / "train.py"), "--out-dir", str(one_node),
-                           *flags], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([*TORCHRUN_ONE_NODE, "--nproc_per_node", "2", str(ROOT / "train.py"), "--out-dir",
+                           str(one_node), *flags], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     two_nodes = tmp_path_factory.mktemp("two_nodes")
     with socket.socket() as s:  # a free port for the rendezvous
