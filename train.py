@@ -344,7 +344,7 @@ def run(cfg: Config, dist_info) -> dict:
             if rundir.snapshot_due(cfg, step + 1):
                 snapshot = rundir.snapshot_path(run_dir, step + 1)
                 rundir.export_into_run(cfg, models["actor"], tokenizer, run_dir, snapshot)
-            if not (preempted or last) and preemption.requested():  # signalled during the save or the export:
+            if not preempted and preemption.requested():  # signalled during the save or the export:
                 if not saved:  # stop now, not after one more step
                     rundir.save(cfg, run_dir, step, models, optimizers, schedulers)
                 preempted = True

@@ -319,9 +319,11 @@ def test_sigint_saves_and_stops_a_moved_run_resumed_with_other_save_and_memory_s
     assert signal.getsignal(signal.SIGINT) is before  # handlers given back
 
 
-def test_a_signal_during_a_save_stops_the_run_after_that_step_not_the_next(base, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("steps", [7, 5], ids=["a-middle-step", "the-last-step"])
+def test_a_signal_during_a_save_stops_the_run_after_that_step_not_the_next(base, tmp_path, monkeypatch, capsys, steps):
     """A signal that came while a step's checkpoint was written was first read after the next whole
-    step (rollout, update, evaluation, another save): at scale, past the scheduler's grace period."""
+    step (rollout, update, evaluation, another save): at scale, past the scheduler's grace period.
+    In the last step it was not read at all: the final evaluation and export ran, and the run exited 0."""
     moved = moved_copy(base, tmp_path)
     real_save = rundir.save
 
@@ -332,12 +334,19 @@ def test_a_signal_during_a_save_stops_the_run_after_that_step_not_the_next(base,
 
     monkeypatch.setattr(rundir, "save", save)
     with pytest.raises(preemption.Preempted) as stopped:
-        resume(moved, "--steps", "7")
+        resume(moved, "--steps", str(steps))
     assert stopped.value.exit_code == 143
     run_dir = moved / "base"
     assert f"preempted at step 4: saved {run_dir}/checkpoint" in capsys.readouterr().out
     assert [r["step"] for r in read_metrics(run_dir)] == [0, 1, 2, 3, 4]
     assert checkpoints.checkpoint_extra(str(run_dir / "checkpoint"))["step"] == 4
+    if steps == 5:  # what is left, the final evaluation and export, is done by the resume
+        monkeypatch.setattr(rundir, "save", real_save)
+        written = (run_dir / "summary.json").stat().st_mtime_ns  # the 4-step run's
+        assert resume(moved, "--steps", "5")["ppo"]["pass@1"] == json.loads(
+            (run_dir / "summary.json").read_text())["ppo"]["pass@1"]
+        assert (run_dir / "summary.json").stat().st_mtime_ns > written
+        assert [r["step"] for r in read_metrics(run_dir)] == [0, 1, 2, 3, 4]
 
 
 def signal_in_pretraining_step(at: int, monkeypatch) -> None:
