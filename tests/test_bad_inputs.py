@@ -25,14 +25,8 @@ from safetensors.torch import load_file
 
 from support import task
 from support.sft import ModelError, check_model
+from test_train import MICRO, ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
-MICRO = [  # a few seconds per stage, as in test_train.py
-    "--sft-steps", "8", "--task-train-size", "64", "--task-eval-size", "4",
-    "--prompts-per-step", "4", "--samples-per-prompt", "2", "--max-new-tokens", "40",
-    "--micro-batch-size", "3", "--num-minibatches", "2", "--eval-samples", "2",
-    "--orm-batches", "1", "--orm-steps", "3", "--grader-workers", "1", "--threads", "1",
-]
 QUICK = ["--steps", "0", "--value-pretrain-steps", "0"]  # a run that starts and stops at once
 
 

@@ -847,9 +847,9 @@ def one_node_and_two_nodes(tmp_path_factory):
     (the ORM trained sharded) and a reference policy, so every model goes through the sharded
     loader: once as one node of 2 processes, once as two torchrun agents (--nnodes 2, one process
     each, distinct --node-rank, c10d rendezvous on localhost), which is how two nodes run it."""
-    # --threads 1: unset, a rank takes its share of the machine's cores (2 ranks on one node, 1 on
-    # each of two), and another thread count rounds the matrix products otherwise.
-    flags = [*TORCHRUN_MICRO, "--rollout", "hf", "--critic-init", "rm", "--kl-coef", "0.05", "--threads", "1"]
+    # MICRO's --threads 1 matters here: unset, a rank takes its share of the machine's cores (2 ranks on
+    # one node, 1 on each of two), and another thread count rounds the matrix products otherwise.
+    flags = [*TORCHRUN_MICRO, "--rollout", "hf", "--critic-init", "rm", "--kl-coef", "0.05"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     one_node = tmp_path_factory.mktemp("one_node")
     done = subprocess.run([*TORCHRUN_ONE_NODE, "--nproc_per_node", "2", str(ROOT / "train.py"), "--out-dir",
