@@ -9,7 +9,8 @@ are checked once, where a rollout's per-token tensors are assembled (`masked.che
 in train.ppo_step and value pretraining): a check per micro-batch loss would cost a device-to-host
 sync each time.
 
-Eq. (1), clipped surrogate with clip-higher (VAPO) and optional dual clip (Ye et al., 2020):
+Eq. (1), clipped surrogate with clip-higher (DAPO, Yu et al., 2025; VAPO takes it up) and an
+optional dual clip (Ye et al., 2020):
     rho_t = pi(a_t|s_t) / pi_old(a_t|s_t)
     L_t   = max(-A_t rho_t, -A_t clip(rho_t, 1 - eps_low, 1 + eps_high))
     L_t   = min(L_t, -c A_t)                       only where A_t < 0 (dual clip)
@@ -49,7 +50,8 @@ def policy_loss(
 ):
     """Clipped surrogate, Eq. (1). Returns (loss, metrics) with metrics as detached 0-dim tensors:
     pg_loss, pg_clipfrac_low / pg_clipfrac_high (share of tokens whose gradient the lower / upper
-    clip removes), pg_clipfrac_dual, ppo_kl (k3 estimate of KL(pi_old || pi); verl's name)."""
+    clip removes), pg_clipfrac_dual, ppo_kl (the k3 estimate of KL(pi_old || pi), never negative;
+    verl logs k1 under that name, the mean log-ratio, which can be)."""
     check_masked_inputs(mask, contents=False, log_probs=log_probs, old_log_probs=old_log_probs,
                         advantages=advantages)
     if not (0 <= clip_low < 1 and clip_high >= 0):

@@ -12,19 +12,14 @@ from fsdp_utils import all_reduce, reduce_metrics
 from support.masked import masked_sum
 
 
-def masked_whiten(x, mask, shift_mean=True, eps=1e-8):
-    """(x - mean) / std over the valid tokens only; padding stays 0. With shift_mean=False the
-    mean is added back, (x - mean) / std + mean, as verl does: the spread is normalised, the mean
-    kept. Under torchrun the mean and (Bessel-corrected) variance are those of every rank's tokens
-    together, as in one process."""
+def masked_whiten(x, mask, eps=1e-8):
+    """(x - mean) / std over the valid tokens only; padding stays 0. Under torchrun the mean and
+    (Bessel-corrected) variance are those of every rank's tokens together, as in one process."""
     mask = mask.to(x.dtype)
     count, total = all_reduce(torch.stack([mask.sum(), masked_sum(x, mask)]))
     mean = total / count.clamp_min(1)
     var = all_reduce(masked_sum((x - mean) ** 2, mask)) / (count - 1).clamp_min(1)
-    whitened = (x - mean) * torch.rsqrt(var + eps)
-    if not shift_mean:
-        whitened = whitened + mean
-    return whitened * mask
+    return (x - mean) * torch.rsqrt(var + eps) * mask
 
 
 def assert_finite(named_tensors, what: str) -> None:

@@ -64,9 +64,9 @@ class RolloutBatch:
         padding the mask is None: every pad then comes after the real tokens, so the causal mask
         alone gives those tokens the same outputs, and SDPA skips the masked half of the scores
         instead of computing it (a fifth of the time of a forward and backward over
-        640 tokens on a CPU). The SFT stage keeps its mask: its pi_SFT stays bit-identical to
-        the cached one every result was measured from (a change of rounding there moved the
-        demo's pi_SFT from 0.219 to 0.035 pass@1)."""
+        640 tokens on a CPU). The SFT stage keeps its mask, so that its pi_SFT stays bit-identical to
+        the one every result was measured from: on this task a change of rounding in SFT moves
+        pi_SFT's pass@1 far more than the rounding itself would suggest."""
         attention_mask = torch.cat([self.prompt_mask, self.response_mask.long()], dim=1)
         # Positions count real tokens only, so a left-padded prompt starts at position 0,
         # exactly as in `generate`.

@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from support.masked import check_lambda_range, check_masked_inputs
 
 # numba's default OpenMP layer shares torch's libgomp, and its first parallel call sets the process's
-# OpenMP thread count to every core (omp_set_num_threads): every later torch op then ran on that many
-# threads whatever --threads said, and two runs on two cores spun four threads against each other.
+# OpenMP thread count to every core (omp_set_num_threads): every later torch op would run on that
+# many threads whatever --threads says (two runs side by side on two cores: four busy threads).
 # Its own work queue leaves torch's setting alone; compiled_gae uses torch's count.
 numba.config.THREADING_LAYER = "workqueue"
 

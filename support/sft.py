@@ -150,7 +150,10 @@ def train_sft(cfg: SFTConfig, model=None, tokenizer=None) -> dict:
     for step in bar:
         batch = sorted(make_batch(tokenizer, sample_problems(rng, cfg), rng, cfg), key=lambda e: len(e[0]))
         losses.append(accumulate_gradients(model, batch, cfg.micro_batch_size, tokenizer.pad_token_id))
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        if not torch.isfinite(grad_norm):  # a diverged pi_SFT would be saved and cached as a stage
+            raise FloatingPointError(f"SFT step {step}: gradient norm is {grad_norm.item()} (loss {losses[-1]}); "
+                                     f"pi_SFT diverged and nothing was saved")
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)

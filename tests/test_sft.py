@@ -56,6 +56,16 @@ def test_smoke_run_lowers_the_loss_and_writes_a_loadable_checkpoint(tmp_path):
     assert model.config.num_hidden_layers == 1 and model.config.eos_token_id == tokenizer.eos_token_id
 
 
+def test_a_diverged_sft_stops_at_its_first_non_finite_gradient_and_saves_nothing(tmp_path):
+    """An infinite learning rate sends the weights to inf at step 0, so step 1's loss and gradient are
+    NaN: the run stops there, and no pi_SFT (which train.py would cache as a stage) is written."""
+    cfg = sft.SFTConfig(out_dir=str(tmp_path / "sft"), steps=5, batch_size=2, micro_batch_size=2, lr=float("inf"),
+                        warmup_steps=1, max_difficulty=2, num_layers=1, hidden_size=64, intermediate_size=128)
+    with pytest.raises(FloatingPointError, match="SFT step 1: gradient norm is nan"):
+        sft.train_sft(cfg)
+    assert not (tmp_path / "sft").exists()
+
+
 def test_bad_config_raises_value_error(tmp_path):
     with pytest.raises(ValueError):
         sft.train_sft(sft.SFTConfig(out_dir=str(tmp_path), steps=0))
