@@ -117,6 +117,7 @@ def aggregate_loss(per_token_loss, mask, mode="token-mean", normalizer=None):
     """
     if mode not in _LOSS_MODES:
         raise ValueError(f"mode must be one of {_LOSS_MODES}, got {mode!r}")
+    check_masked_inputs(mask, contents=False, per_token_loss=per_token_loss)  # a [B, 1] loss would broadcast
     mask = mask.to(per_token_loss.dtype)
     if mode == "token-mean":
         total = masked_sum(per_token_loss, mask)
@@ -137,6 +138,8 @@ def kl_penalty(log_probs, ref_log_probs, kind="k3"):
     k3 is unbiased and non-negative. Off by default in VC-PPO (no KL term)."""
     if kind not in _KL_KINDS:
         raise ValueError(f"kind must be one of {_KL_KINDS}, got {kind!r}")
+    if log_probs.shape != ref_log_probs.shape:  # [B, T] against [B, 1] would broadcast, in silence
+        raise ValueError(f"log_probs {tuple(log_probs.shape)} and ref_log_probs {tuple(ref_log_probs.shape)} differ in shape")
     log_r = log_probs - ref_log_probs
     if kind == "k1":
         return log_r
@@ -214,6 +217,9 @@ def token_logprobs_and_entropy(hidden, weight, targets, temperature=1.0, chunk_t
     entropy_grad=False leaves it out of the graph (only logged: no softmax backward over [T, V])."""
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    if hidden.dim() != 3 or targets.shape != hidden.shape[:2] or targets.is_floating_point():
+        raise ValueError(f"hidden must be [B, T, d] and targets integer ids [B, T]; got {tuple(hidden.shape)} "
+                         f"and {tuple(targets.shape)} {targets.dtype}")
     flat_hidden, flat_targets = hidden.flatten(0, 1), targets.flatten()
     chunks = [
         torch.utils.checkpoint.checkpoint(_chunk_statistics, flat_hidden[i : i + chunk_tokens], weight,

@@ -9,12 +9,13 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from fsdp_utils import all_reduce, reduce_metrics
-from support.masked import masked_sum
+from support.masked import check_masked_inputs, masked_sum
 
 
 def masked_whiten(x, mask, eps=1e-8):
     """(x - mean) / std over the valid tokens only; padding stays 0. Under torchrun the mean and
     (Bessel-corrected) variance are those of every rank's tokens together, as in one process."""
+    check_masked_inputs(mask, contents=False, x=x)
     mask = mask.to(x.dtype)
     count, total = all_reduce(torch.stack([mask.sum(), masked_sum(x, mask)]))
     mean = total / count.clamp_min(1)

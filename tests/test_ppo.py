@@ -8,7 +8,7 @@ import torch
 
 from support.masked import check_masked_inputs, masked_mean
 from ppo import aggregate_loss, entropy_from_logits, explained_variance, kl_penalty, policy_loss
-from ppo import response_logprobs, value_loss
+from ppo import response_logprobs, token_logprobs_and_entropy, value_loss
 from ppo_update import masked_whiten
 
 torch.set_num_threads(1)
@@ -261,6 +261,12 @@ def test_explained_variance_perfect_mean_only_padding_and_constant_returns():
         (lambda n, o, a, m: response_logprobs(n[..., None], m), "integer"),
         (lambda n, o, a, m: response_logprobs(n[..., None], (m * 0).long(), temperature=0.0), "temperature"),
         (lambda n, o, a, m: entropy_from_logits(n[..., None], temperature=-1.0), "temperature"),
+        # Shapes that torch would broadcast, in silence: a [B, 1] column against a [B, T] mask.
+        (lambda n, o, a, m: aggregate_loss(n[:, :1], m), "per_token_loss has shape"),
+        (lambda n, o, a, m: masked_whiten(a[:, :1], m), "x has shape"),
+        (lambda n, o, a, m: kl_penalty(n, o[:, :1]), "differ in shape"),
+        (lambda n, o, a, m: token_logprobs_and_entropy(n[..., None], torch.ones(5, 1), m[:, :3].long()), "targets"),
+        (lambda n, o, a, m: token_logprobs_and_entropy(n[..., None], torch.ones(5, 1), m), "integer ids"),
     ],
 )
 def test_bad_inputs_raise_value_error_naming_the_argument(call, match):
