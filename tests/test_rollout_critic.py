@@ -103,15 +103,18 @@ def test_each_rank_samples_with_the_seed_plus_its_rank(policy, monkeypatch):
 
 
 def test_critic_reads_value_of_s_t_at_the_position_before_token_t(policy):
+    """values[b, t] is V(s_t), the critic's output after the prompt and the response's tokens < t:
+    checked against a forward of that prefix alone, unpadded, for every token of every row."""
     model, tokenizer, path = policy
     batch = HFRollout(model, tokenizer).generate(prompts(tokenizer), max_new_tokens=12, seed=0)
     critic = load_value_model(path)
     values = response_values(critic, batch)
-    full = value_outputs(critic, **batch.model_inputs())
-    P = batch.prompt_ids.shape[1]
-    for b in range(len(batch)):
+    for b, prompt in enumerate(prompts(tokenizer)):
+        response = batch.response_ids[b].tolist()
         for t in range(int(batch.lengths[b])):
-            assert values[b, t] == full[b, P + t - 1]  # V(s_t): prompt plus tokens < t
+            prefix = torch.tensor([prompt + response[:t]])
+            alone = value_outputs(critic, prefix, torch.ones_like(prefix), torch.arange(prefix.shape[1])[None])
+            assert values[b, t].item() == pytest.approx(alone[0, -1].item(), abs=1e-5)
     assert (values[batch.response_mask == 0] == 0).all()
 
 
