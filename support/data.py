@@ -72,11 +72,14 @@ def encode_prompt(tokenizer, prompt: str | list[dict]) -> list[int]:
     and the template supplies any BOS itself, hence add_special_tokens=False.
     """
     if getattr(tokenizer, "chat_template", None):
-        from jinja2 import TemplateError
+        from jinja2 import TemplateError, TemplateSyntaxError
 
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         try:  # Gemma's refuses a system turn, Mistral's turns that do not alternate
             text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except TemplateSyntaxError as e:  # the model's fault, not the record's
+            raise DataError(f"the model's chat template is not valid Jinja (its line {e.lineno}: {e.message}); "
+                            f"see chat_template in its tokenizer_config.json or chat_template.jinja") from None
         except TemplateError as e:
             roles = ", ".join(m.get("role", "?") for m in messages)
             raise DataError(f"the model's chat template refuses these messages (roles: {roles}): {e}") from None

@@ -188,7 +188,15 @@ class ModelError(ValueError):
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# Where a tokenizer's vocabulary is (fast, BPE, WordPiece, SentencePiece): from tokenizer_config.json
+# alone transformers builds a tokenizer of its special tokens only, every prompt then one token.
+VOCABULARY_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "tokenizer.model", "spiece.model",
+                    "sentencepiece.bpe.model")
+# Read by transformers as the tokenizer and the generation settings load: a cut one stopped the run
+# with a JSONDecodeError inside transformers, or (generation_config.json) was dropped in silence,
+# and with it the end tokens it lists.
+JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+              "generation_config.json")
 
 
 def check_model(path: str, weights: bool = True, positions: int | None = None, critic: bool = False) -> None:
@@ -250,8 +258,15 @@ def check_model(path: str, weights: bool = True, positions: int | None = None, c
                 pass
         except (SafetensorError, OSError) as e:
             raise ModelError(f"{where}: {shard.name} is unreadable, truncated? ({e})") from None
-    if not any((root / name).is_file() for name in TOKENIZER_FILES):
-        raise ModelError(f"{where}: no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
+    for name in JSON_FILES:
+        if (root / name).is_file():
+            try:
+                json.loads((root / name).read_text(encoding="utf-8"))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ModelError(f"{where}: {name} is not JSON ({e})") from None
+    if not any((root / name).is_file() for name in VOCABULARY_FILES) and not any(root.glob("*.tiktoken")):
+        raise ModelError(f"{where}: no tokenizer vocabulary (none of {', '.join(VOCABULARY_FILES)}, nor a "
+                         f"*.tiktoken file)")
 
 
 def check_vocabulary(path: str, tokenizer) -> None:

@@ -240,6 +240,9 @@ def bad_models(sft: str, root: Path) -> dict:
         weights = path / "model.safetensors"
         weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
 
+    def cut(file):  # a copy that stopped halfway
+        file.write_text(file.read_text()[: file.stat().st_size // 2])
+
     def edit(file, **fields):
         def change(path):
             (path / file).write_text(json.dumps({**json.loads((path / file).read_text()), **fields}))
@@ -252,6 +255,12 @@ def bad_models(sft: str, root: Path) -> dict:
         "no weights": variant("noweights", lambda p: (p / "model.safetensors").unlink()),
         "model.safetensors is unreadable, truncated": variant("truncated", truncate),
         "no tokenizer": variant("notokenizer", lambda p: [f.unlink() for f in p.glob("tokenizer*")]),
+        # tokenizer_config.json alone: transformers built a tokenizer of its special tokens, in silence.
+        "no tokenizer vocabulary": variant("novocabulary", lambda p: (p / "tokenizer.json").unlink()),
+        "tokenizer.json is not JSON": variant("cuttokenizer", lambda p: cut(p / "tokenizer.json")),
+        "tokenizer_config.json is not JSON": variant("cuttokenizerconfig", lambda p: cut(p / "tokenizer_config.json")),
+        # Dropped in silence before, with the end tokens it lists.
+        "generation_config.json is not JSON": variant("cutgeneration", lambda p: cut(p / "generation_config.json")),
         # A critic saved by a run: its scalar head was dropped in silence and the rest trained as the policy.
         "a Qwen2ForTokenClassification \\(a value or reward model's scalar head\\), not a policy":
             variant("critic", edit("config.json", architectures=["Qwen2ForTokenClassification"])),
@@ -268,7 +277,8 @@ def bad_models(sft: str, root: Path) -> dict:
 def test_a_bad_model_directory_stops_with_one_line_naming_it(out_dir, sft, tmp_path):
     for fault, path in bad_models(sft, tmp_path).items():
         refused(out_dir, "--run-name", "badmodel", "--model", path, *QUICK, match=rf"--model {re.escape(path)}: {fault}")
-        if fault.startswith(("no weights", "model.safetensors is unreadable", "no tokenizer", "its context", "the tok")):
+        if fault.startswith(("no weights", "model.safetensors is unreadable", "no tokenizer", "its context", "the tok",
+                             "tokenizer", "generation_config")):
             error, stdout = plan(out_dir, "--model", path)  # --plan reads the config alone
             assert error is None and "peak" in stdout, error
         else:

@@ -664,6 +664,11 @@ def test_a_chat_template_that_refuses_the_messages_and_an_empty_user_turn_stop_i
     with pytest.raises(DataError, match=r"d\.jsonl:1: the model's chat template refuses these messages "
                                         r"\(roles: system, user\): System role not supported"):
         load_records(path, char_tokenizer(no_system))
+    # A template that does not parse is the model's fault, and said to be, not the record's.
+    broken = "{% for m in messages %}<u>{{ m['content'] }}"  # no endfor
+    with pytest.raises(DataError, match=r"d\.jsonl:1: the model's chat template is not valid Jinja \(its line 1: "
+                                        r"Unexpected end of template.*\); see chat_template"):
+        load_records(path, char_tokenizer(broken))
     blank = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "  "}]
     path = write_jsonl(tmp_path / "e.jsonl", [{"prompt": blank, "answer": "2"}])
     with pytest.raises(DataError, match=r"e\.jsonl:1: the last user turn of the chat messages in field 'prompt' is empty"):
