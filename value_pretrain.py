@@ -45,22 +45,45 @@ from sampling import Sampler
 PPO_ONLY = ("run_name", "plan", "lam_actor", "lam_critic", "length_adaptive_alpha", "actor_lr", "lr_warmup_steps",
             "clip_low", "clip_high", "dual_clip", "whiten_advantages", "kl_coef", "kl_estimator", "entropy_coef",
             "eval_temperature", "eval_max_new_tokens")
+# Never read by pretraining either (it regresses on the returns unclipped, and evaluates nothing),
+# but keyed until 2026-12-05: a critic pretrained before is still found under that key (`pretrain_stage`).
+KEYED_BEFORE = ("value_clip", "eval_samples", "task_eval_size")
+ORM_SETTINGS = ("orm_batches", "orm_steps", "orm_lr", "orm_loss")  # keyed only where the critic starts from the ORM
 # Data settings added after critics had been pretrained and shared: left out of the key while unset,
 # so that those critics are still found.
 KEYED_WHEN_SET = ("val_data", "val_prompt_key", "val_answer_key", "prompt_template", "answer_format")
 
 
-def pretrain_settings(cfg) -> dict:
-    """What the pretrained critic depends on: every setting but PPO_ONLY and rundir.MAY_CHANGE (how a
-    run runs, which a --resume may change), and the world size (each rank samples its own share)."""
+def pretrain_settings(cfg, keyed_before: bool = False) -> dict:
+    """What the pretrained critic depends on: every setting but PPO_ONLY, KEYED_BEFORE, the ORM's
+    unless the critic starts from it, and rundir.MAY_CHANGE (how a run runs, which a --resume may
+    change), and the world size (each rank samples its own share). keyed_before: the key of the
+    same critic before KEYED_BEFORE and ORM_SETTINGS left it."""
+    unread = PPO_ONLY + MAY_CHANGE
+    if not keyed_before:
+        unread += KEYED_BEFORE + (ORM_SETTINGS if cfg.critic_init != "rm" else ())
     settings = one_key_as_text({k: v for k, v in dataclasses.asdict(cfg).items()
-                                if k not in PPO_ONLY + MAY_CHANGE and not (k in KEYED_WHEN_SET and v is None)})
+                                if k not in unread and not (k in KEYED_WHEN_SET and v is None)})
     settings["world_size"] = world_size()
     if files := input_files(cfg):  # --model and --data by their contents' stamps, not their paths alone
         settings["input_files"] = files
     if cfg.critic_init == "rm" and cfg.model is not None:  # then each run trains its own ORM (critic.orm_path)
         settings["run_name"] = cfg.run_name
     return settings
+
+
+def pretrain_stage(cfg) -> str:
+    """Where the critic of these settings is pretrained and shared (<out_dir>/_shared/value_pretrain/
+    <key>): at its key, unless only the stage under its key from before (`pretrain_settings`'
+    keyed_before) is built, or begun by this run, which then goes on there: no critic pretrained
+    before is pretrained again, and no stopped pretraining starts over."""
+    stage = shared_path(cfg, "value_pretrain", pretrain_settings(cfg))
+    before = shared_path(cfg, "value_pretrain", pretrain_settings(cfg, keyed_before=True))
+
+    def begun(path):
+        return os.path.exists(path) or os.path.exists(staging_path(path, cfg.run_name))
+
+    return before if any_rank(not begun(stage) and begun(before)) else stage
 
 
 def plateaued(history: list[dict], window: int, rel_tol: float, ev_tol: float) -> bool:
@@ -147,7 +170,7 @@ def check_rerun(cfg) -> None:
                              glob.escape(cfg.run_name))
     if not any_rank(bool(glob.glob(leftovers))):  # the usual case, told without reading --model and --data
         return
-    shared = shared_path(cfg, "value_pretrain", pretrain_settings(cfg))
+    shared = pretrain_stage(cfg)
     found = saved_checkpoints(os.path.join(staging_path(shared, cfg.run_name), "checkpoint"))
     stopped_in = found[0] if found and not os.path.exists(shared) else ""  # a built stage's leftovers go unused
     if any_rank(bool(stopped_in)):  # every rank stops, even where another filesystem view differs
@@ -173,7 +196,7 @@ def prepare_value_critic(cfg, run_dir: str, init_path: str, sampler: Sampler, re
         optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr, weight_decay=0.0)
         pretrain_value(cfg, critic, optimizer, sampler, records, staging)
 
-    if not build_shared(cfg, path, pretrain_settings(cfg), build):
+    if not build_shared(cfg, path, pretrain_settings(cfg), build, shared=pretrain_stage(cfg)):
         critic = load(os.path.join(path, "critic"))  # pretrained by an earlier run
     elif preemption.requested():  # a signal in the step after which it converged: the stage is complete, stop
         raise preemption.stop(f"preempted as value pretraining converged: its critic is saved in {path}")

@@ -256,14 +256,15 @@ def staging_path(path: str, owner: str) -> str:
     return f"{path}.partial-{owner}"
 
 
-def build_shared(cfg, link: str, settings: dict, build) -> bool:
+def build_shared(cfg, link: str, settings: dict, build, shared: str | None = None) -> bool:
     """A stage that every run with the same `settings` shares, e.g. value pretraining, which the
     runs of one seed in a lambda sweep repeat bit for bit. It is built once (`build_once`) into
     <out_dir>/_shared/<name of link>/<hash of settings>, and `link`, in the run directory, points
     there (a relative link: the out-dir can move). Each run stages its own build, so two runs
     building it at once never mix their files, and a killed one resumes its own. True if built now.
     A run resumed at another world size keeps the stage it linked (PPO restores the critic from
-    its own checkpoint; `resume` notes that the rest samples differently)."""
+    its own checkpoint; `resume` notes that the rest samples differently). `shared`: where to build it
+    instead, a stage whose settings.json may record more settings than `settings` (an older key)."""
     if os.path.islink(link) and not os.path.exists(link):
         raise ConfigError(f"{link} points to {os.readlink(link)}, which is gone; delete the link to build it again")
     # Every rank looks before rank 0 links it (below): a rank that looked after it would skip the
@@ -271,7 +272,7 @@ def build_shared(cfg, link: str, settings: dict, build) -> bool:
     if fsdp_utils.any_rank(os.path.lexists(link)):  # linked by an earlier start of this run
         check_stage(link, settings, ignore=("world_size",))
         return False
-    shared = shared_path(cfg, os.path.basename(link), settings)
+    shared = shared or shared_path(cfg, os.path.basename(link), settings)
     os.makedirs(os.path.dirname(shared), exist_ok=True)
     built = build_once(shared, settings, build, owner=cfg.run_name)
     if fsdp_utils.is_main():

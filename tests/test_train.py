@@ -549,6 +549,40 @@ def test_a_stage_two_runs_build_at_once_keeps_the_first_and_a_broken_link_is_nam
         rundir.build_shared(cfg, str(tmp_path / "r" / "value_pretrain"), {"x": 2, "world_size": 1}, lambda s: None)
 
 
+def test_runs_that_differ_only_in_what_pretraining_never_reads_share_its_critic_and_find_one_keyed_before(tmp_path):
+    """Value pretraining reads neither the value clip (it regresses on the returns unclipped) nor the
+    held-out evaluation's settings, nor the ORM's when the critic starts from pi_SFT: runs that differ
+    only in those share its critic (hours of pretraining at 32B). A critic pretrained while they were
+    in its key, or a pretraining this run stopped in then, is still found under that key."""
+    import value_pretrain
+
+    def key(*flags):
+        return value_pretrain.pretrain_settings(micro_config(tmp_path, "--run-name", "r", *flags))
+
+    for flags in (("--value-clip", "0.3"), ("--eval-samples", "2"), ("--task-eval-size", "8"), ("--orm-steps", "7")):
+        assert key(*flags) == key(), flags
+    assert key("--critic-init", "rm", "--orm-steps", "7") != key("--critic-init", "rm")
+    assert key("--critic-lr", "1e-4") != key() and key("--seed", "3") != key()
+
+    cfg, other = micro_config(tmp_path, "--run-name", "r"), micro_config(tmp_path, "--run-name", "other")
+    settings = value_pretrain.pretrain_settings(cfg)
+    stage = rundir.shared_path(cfg, "value_pretrain", settings)
+    before = rundir.shared_path(cfg, "value_pretrain", value_pretrain.pretrain_settings(cfg, keyed_before=True))
+    assert stage != before and value_pretrain.pretrain_stage(cfg) == stage  # nothing built: the key of now
+    os.makedirs(os.path.join(rundir.staging_path(before, "r"), "checkpoint"))  # r stopped in it, keyed before
+    assert value_pretrain.pretrain_stage(cfg) == before and value_pretrain.pretrain_stage(other) == stage
+    os.makedirs(before)  # built before, with the settings of then
+    rundir.write_json(os.path.join(before, rundir.STAGE_SETTINGS), value_pretrain.pretrain_settings(cfg, keyed_before=True))
+    assert value_pretrain.pretrain_stage(other) == before
+    os.makedirs(tmp_path / "other")
+    link = str(tmp_path / "other" / "value_pretrain")
+    assert not rundir.build_shared(other, link, settings, lambda staging: pytest.fail("pretrained again"),
+                                   shared=value_pretrain.pretrain_stage(other))
+    assert os.path.realpath(link) == os.path.realpath(before)
+    os.makedirs(stage)  # both: the key of now
+    assert value_pretrain.pretrain_stage(other) == stage
+
+
 @pytest.mark.parametrize("preset, world_size, params", [("qwen2.5-1.5b", 1, "1.54B"), ("qwen2.5-7b", 8, "7.62B"),
                                                         ("qwen2.5-32b", 16, "32.76B")])
 def test_each_gpu_preset_fits_its_target_hardware_by_plan(preset, world_size, params, tmp_path, capsys):
