@@ -28,6 +28,8 @@ Eq. (8). Also here: VAPO's length-adaptive lambda and GRPO's group-normalised ou
 (the paper's main baseline).
 """
 
+import numbers
+
 import torch
 
 from support import gae_fast
@@ -130,7 +132,7 @@ def grpo_advantages(outcomes, mask, group_size, eps=1e-6):
     check_masked_inputs(mask, right_padded=True)
     if not torch.isfinite(outcomes).all():
         raise ValueError("outcomes contains NaN or inf")
-    if group_size < 2 or outcomes.shape[0] % group_size or mask.shape[0] != outcomes.shape[0]:
+    if not isinstance(group_size, int) or group_size < 2 or outcomes.shape[0] % group_size or mask.shape[0] != outcomes.shape[0]:
         raise ValueError(
             f"need group_size >= 2 dividing B; got group_size={group_size}, "
             f"outcomes {tuple(outcomes.shape)}, mask {tuple(mask.shape)}"
@@ -146,8 +148,8 @@ def grpo_advantages(outcomes, mask, group_size, eps=1e-6):
 def _check_shapes(rewards, values, mask, gamma):
     """Types, shapes and gamma (cheap); returns the batch size."""
     check_masked_inputs(mask, right_padded=True, contents=False, rewards=rewards, values=values)
-    if not 0 <= gamma <= 1:
-        raise ValueError(f"gamma must be in [0, 1], got {gamma}")
+    if not isinstance(gamma, numbers.Real) or not 0 <= gamma <= 1:
+        raise ValueError(f"gamma must be a number in [0, 1], got {gamma!r}")
     return mask.shape[0]
 
 
@@ -182,6 +184,6 @@ def _lam(lam, batch, name, check_range=True):
         if check_range:
             check_lambda_range(lam, name)
         return lam.detach().double()
-    if not 0 <= lam <= 1:
-        raise ValueError(f"{name} must be in [0, 1], got {lam}")
+    if not isinstance(lam, numbers.Real) or not 0 <= lam <= 1:
+        raise ValueError(f"{name} must be a number in [0, 1] or a float tensor [{batch}], got {lam!r}")
     return float(lam)

@@ -221,6 +221,9 @@ def test_bad_inputs_raise_value_error_naming_the_argument(mutate, match):
         ({"lam_actor": torch.tensor([0.9, 0.9])}, "lam_actor tensor"),
         ({"lam_actor": torch.tensor([0.9, 1.2, 0.9])}, "lam_actor must lie"),
         ({"lam_actor": torch.tensor([0.9, float("nan"), 0.9])}, "lam_actor must lie"),  # NaN is not in [0, 1]
+        # Not numbers: a TypeError from a comparison before.
+        ({"gamma": None}, "gamma must be a number"),
+        ({"lam_actor": [0.9, 0.9, 0.9]}, "lam_actor must be a number in \\[0, 1\\] or a float tensor \\[3\\]"),
     ],
 )
 def test_bad_hyperparameters_raise_value_error_naming_the_argument(kwargs, match):
@@ -241,6 +244,8 @@ def test_grpo_and_length_lambda_reject_bad_input():
     mask = torch.ones(6, 3)
     with pytest.raises(ValueError, match="group_size"):
         grpo_advantages(torch.zeros(6), mask, group_size=4)
+    with pytest.raises(ValueError, match="group_size=2.0"):  # a float: an error inside view() before
+        grpo_advantages(torch.zeros(6), mask, group_size=2.0)
     with pytest.raises(ValueError, match="outcomes contains NaN"):
         grpo_advantages(torch.tensor([0.0, float("nan"), 1.0, 1.0, 0.0, 0.0]), mask, group_size=2)
     with pytest.raises(ValueError, match="alpha"):
