@@ -65,8 +65,9 @@ class Config:
     """--answer-key of --val-data: one for every set, or one per --val-data value; None: --answer-key"""
     answer_format: Literal["gsm8k", "math"] | None = None
     """gold answers of --data: `gsm8k` (the number after '####'), `math` (as written: its last \\boxed{}
-    if any); None: `gsm8k` for answers holding '####' and no \\boxed{}, else `math` (--val-data's are
-    always detected, so MATH-500 can sit beside GSM8K training). Responses are graded by their last \\boxed{}"""
+    if any); None: `gsm8k` for answers whose last line starts with '####' and that hold no \\boxed{}, else
+    `math` (--val-data's are always detected, so MATH-500 can sit beside GSM8K training). Responses are graded
+    by their last \\boxed{}"""
     prompt_template: str | None = None
     """rewrites each --data / --val-data prompt (the last user turn of a message list): '{prompt}' stands for
     it, e.g. '{prompt} Please reason step by step, and put your final answer within \\boxed{}.'"""
