@@ -95,6 +95,7 @@ class VLLMRollout:
             memory["distributed_executor_backend"] = "external_launcher"
             if world > self.tp:
                 memory["data_parallel_size"] = world // self.tp
+        logging.getLogger("vllm.renderers.base").addFilter(_no_tokenizer_to_warm_up)
         with llvmlite_hidden():  # numba's, for GAE's compiled loop; vLLM's CPU worker trips over it
             self.llm = vllm.LLM(
                 model=model_path,
@@ -238,6 +239,14 @@ def _refresh_tied_head(worker) -> None:
     head = getattr(model, "lm_head", None)
     if head is not None and getattr(model.config, "tie_word_embeddings", False):
         head.quant_method.process_weights_after_loading(head)
+
+
+def _no_tokenizer_to_warm_up(record: logging.LogRecord) -> bool:
+    """Drop vLLM's "Chat template warmup failed" and its traceback, printed on every start with a model
+    whose tokenizer has a chat template, where the warmup fails for want of a tokenizer: the engine
+    has none by design (skip_tokenizer_init, token ids in and out) and never renders a chat."""
+    error = record.exc_info[1] if record.exc_info else None
+    return not (record.getMessage() == "Chat template warmup failed" and "Tokenizer not available" in str(error))
 
 
 def _expected_reload_warnings(record: logging.LogRecord) -> bool:

@@ -62,3 +62,23 @@ def test_bad_requests_raise_value_error_with_a_message(results):
     assert "max_model_len" in errors["too_long"]
     assert "token ids" in errors["out_of_vocab"]
     assert "tensor_parallel_size" in errors["tp_not_dividing_world"]
+
+
+def test_the_chat_template_warmup_that_fails_for_want_of_a_tokenizer_is_not_printed():
+    """vLLM renders a chat once as it starts and, with no tokenizer (skip_tokenizer_init: token ids in
+    and out), logs that this failed, with a traceback, for every model whose tokenizer has a chat
+    template: a traceback in a run that works. That record is dropped; any other failure is printed."""
+    import logging
+    import sys
+
+    from support.vllm_rollout import _no_tokenizer_to_warm_up
+
+    def warning(error):
+        try:
+            raise error
+        except ValueError:
+            return logging.LogRecord("vllm.renderers.base", logging.WARNING, "base.py", 380,
+                                     "Chat template warmup failed", None, sys.exc_info())
+
+    assert not _no_tokenizer_to_warm_up(warning(ValueError("Tokenizer not available when `skip_tokenizer_init=True`")))
+    assert _no_tokenizer_to_warm_up(warning(ValueError("expected token 'end of print statement'")))
