@@ -54,14 +54,11 @@ ORM_SETTINGS = ("orm_batches", "orm_steps", "orm_lr", "orm_loss")  # keyed only 
 KEYED_WHEN_SET = ("val_data", "val_prompt_key", "val_answer_key", "prompt_template", "answer_format")
 
 
-def pretrain_settings(cfg, keyed_before: bool = False) -> dict:
+def pretrain_settings(cfg) -> dict:
     """What the pretrained critic depends on: every setting but PPO_ONLY, KEYED_BEFORE, the ORM's
     unless the critic starts from it, and rundir.MAY_CHANGE (how a run runs, which a --resume may
-    change), and the world size (each rank samples its own share). keyed_before: the key of the
-    same critic before KEYED_BEFORE and ORM_SETTINGS left it."""
-    unread = PPO_ONLY + MAY_CHANGE
-    if not keyed_before:
-        unread += KEYED_BEFORE + (ORM_SETTINGS if cfg.critic_init != "rm" else ())
+    change), and the world size (each rank samples its own share)."""
+    unread = PPO_ONLY + MAY_CHANGE + KEYED_BEFORE + (ORM_SETTINGS if cfg.critic_init != "rm" else ())
     settings = one_key_as_text({k: v for k, v in dataclasses.asdict(cfg).items()
                                 if k not in unread and not (k in KEYED_WHEN_SET and v is None)})
     settings["world_size"] = world_size()
@@ -72,18 +69,19 @@ def pretrain_settings(cfg, keyed_before: bool = False) -> dict:
     return settings
 
 
-def pretrain_stage(cfg) -> str:
-    """Where the critic of these settings is pretrained and shared (<out_dir>/_shared/value_pretrain/
-    <key>): at its key, unless only the stage under its key from before (`pretrain_settings`'
-    keyed_before) is built, or begun by this run, which then goes on there: no critic pretrained
-    before is pretrained again, and no stopped pretraining starts over."""
-    stage = shared_path(cfg, "value_pretrain", pretrain_settings(cfg))
-    before = shared_path(cfg, "value_pretrain", pretrain_settings(cfg, keyed_before=True))
+def pretrain_stage(cfg) -> tuple[str, dict]:
+    """(where the critic of these settings is pretrained and shared, <out_dir>/_shared/value_pretrain/
+    <key>, and its `pretrain_settings`): at its key, unless only the stage under its key from before
+    (with KEYED_BEFORE and ORM_SETTINGS) is built, or begun by this run, which then goes on there: no
+    critic pretrained before is pretrained again, and no stopped pretraining starts over."""
+    settings, config = pretrain_settings(cfg), dataclasses.asdict(cfg)
+    stage = shared_path(cfg, "value_pretrain", settings)
+    before = shared_path(cfg, "value_pretrain", settings | {k: config[k] for k in KEYED_BEFORE + ORM_SETTINGS})
 
     def begun(path):
         return os.path.exists(path) or os.path.exists(staging_path(path, cfg.run_name))
 
-    return before if any_rank(not begun(stage) and begun(before)) else stage
+    return (before if any_rank(not begun(stage) and begun(before)) else stage), settings
 
 
 def plateaued(history: list[dict], window: int, rel_tol: float, ev_tol: float) -> bool:
@@ -170,7 +168,7 @@ def check_rerun(cfg) -> None:
                              glob.escape(cfg.run_name))
     if not any_rank(bool(glob.glob(leftovers))):  # the usual case, told without reading --model and --data
         return
-    shared = pretrain_stage(cfg)
+    shared, _ = pretrain_stage(cfg)
     found = saved_checkpoints(os.path.join(staging_path(shared, cfg.run_name), "checkpoint"))
     stopped_in = found[0] if found and not os.path.exists(shared) else ""  # a built stage's leftovers go unused
     if any_rank(bool(stopped_in)):  # every rank stops, even where another filesystem view differs
@@ -196,7 +194,8 @@ def prepare_value_critic(cfg, run_dir: str, init_path: str, sampler: Sampler, re
         optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr, weight_decay=0.0)
         pretrain_value(cfg, critic, optimizer, sampler, records, staging)
 
-    if not build_shared(cfg, path, pretrain_settings(cfg), build, shared=pretrain_stage(cfg)):
+    stage, settings = pretrain_stage(cfg)
+    if not build_shared(cfg, path, settings, build, shared=stage):
         critic = load(os.path.join(path, "critic"))  # pretrained by an earlier run
     elif preemption.requested():  # a signal in the step after which it converged: the stage is complete, stop
         raise preemption.stop(f"preempted as value pretraining converged: its critic is saved in {path}")

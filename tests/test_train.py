@@ -566,21 +566,22 @@ def test_runs_that_differ_only_in_what_pretraining_never_reads_share_its_critic_
 
     cfg, other = micro_config(tmp_path, "--run-name", "r"), micro_config(tmp_path, "--run-name", "other")
     settings = value_pretrain.pretrain_settings(cfg)
-    stage = rundir.shared_path(cfg, "value_pretrain", settings)
-    before = rundir.shared_path(cfg, "value_pretrain", value_pretrain.pretrain_settings(cfg, keyed_before=True))
-    assert stage != before and value_pretrain.pretrain_stage(cfg) == stage  # nothing built: the key of now
+    then = settings | {k: getattr(cfg, k) for k in ("value_clip", "eval_samples", "task_eval_size", "orm_batches",
+                                                    "orm_steps", "orm_lr", "orm_loss")}  # the key before
+    stage, before = (rundir.shared_path(cfg, "value_pretrain", key) for key in (settings, then))
+    assert stage != before and value_pretrain.pretrain_stage(cfg) == (stage, settings)  # nothing built: the key of now
     os.makedirs(os.path.join(rundir.staging_path(before, "r"), "checkpoint"))  # r stopped in it, keyed before
-    assert value_pretrain.pretrain_stage(cfg) == before and value_pretrain.pretrain_stage(other) == stage
+    assert value_pretrain.pretrain_stage(cfg)[0] == before and value_pretrain.pretrain_stage(other)[0] == stage
     os.makedirs(before)  # built before, with the settings of then
-    rundir.write_json(os.path.join(before, rundir.STAGE_SETTINGS), value_pretrain.pretrain_settings(cfg, keyed_before=True))
-    assert value_pretrain.pretrain_stage(other) == before
+    rundir.write_json(os.path.join(before, rundir.STAGE_SETTINGS), then)
+    assert value_pretrain.pretrain_stage(other)[0] == before
     os.makedirs(tmp_path / "other")
     link = str(tmp_path / "other" / "value_pretrain")
     assert not rundir.build_shared(other, link, settings, lambda staging: pytest.fail("pretrained again"),
-                                   shared=value_pretrain.pretrain_stage(other))
+                                   shared=value_pretrain.pretrain_stage(other)[0])
     assert os.path.realpath(link) == os.path.realpath(before)
     os.makedirs(stage)  # both: the key of now
-    assert value_pretrain.pretrain_stage(other) == stage
+    assert value_pretrain.pretrain_stage(other)[0] == stage
 
 
 @pytest.mark.parametrize("preset, world_size, params", [("qwen2.5-1.5b", 1, "1.54B"), ("qwen2.5-7b", 8, "7.62B"),
