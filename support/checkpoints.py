@@ -221,6 +221,8 @@ def save_checkpoint(path: str, models: dict, optimizers: dict, extra: dict) -> N
             torch.save(extra, buffer)
             with open(os.path.join(tmp, "extra.pt"), "wb") as f:  # last: its presence marks tmp complete
                 f.write(buffer.getbuffer())
+                f.flush()
+                os.fsync(f.fileno())  # on disk before the renames, as DCP syncs its own files (sync_files)
     except (Exception, dcp.api.CheckpointException) as err:  # DCP's is a BaseException
         failure = err
     if any_rank(failure is not None):  # every rank stops, not only the one whose write failed
