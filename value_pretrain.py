@@ -29,14 +29,15 @@ from support import preemption
 from support.config import ConfigError, one_key_as_text
 from critic import critic_loss, response_values, shift_values
 from support.data import sample_prompts, stream_seed
-from fsdp_utils import all_reduce, any_rank, is_main, reduce_metrics, world_size
+from fsdp_utils import all_reduce, any_rank, from_main, is_main, reduce_metrics, world_size
 from support.checkpoints import (export_hf_checkpoint, remove_checkpoint, restore_latest, save_checkpoint,
                                  saved_checkpoints)
 from gae import compute_gae
 from support.masked import check_masked_inputs
 from ppo import explained_variance
 from ppo_update import assert_finite, micro_batched_forward, update_model
-from support.rundir import MAY_CHANGE, build_shared, input_files, json_safe, shared_path, staging_path
+from support.rundir import (MAY_CHANGE, STAGE_SETTINGS, build_shared, check_stage, input_files, json_safe,
+                            read_json, shared_path, staging_path)
 from sampling import Sampler
 
 # Settings that act only after value pretraining (PPO's own, and the run's name).
@@ -71,8 +72,9 @@ def pretrain_settings(cfg) -> dict:
 
 def pretrain_stage(cfg) -> tuple[str, dict]:
     """(where the critic of these settings is pretrained and shared, <out_dir>/_shared/value_pretrain/
-    <key>, and its `pretrain_settings`): at its key, unless only the stage under its key from before
-    (with KEYED_BEFORE and ORM_SETTINGS) is built, or begun by this run, which then goes on there: no
+    <key>, and its `pretrain_settings`): at its key; else, where the key of before (with KEYED_BEFORE
+    and ORM_SETTINGS) puts it, if built or begun by this run (a stopped pretraining goes on there);
+    else a stage built under another key of before, one that differs only in those settings. No
     critic pretrained before is pretrained again, and no stopped pretraining starts over."""
     settings, config = pretrain_settings(cfg), dataclasses.asdict(cfg)
     stage = shared_path(cfg, "value_pretrain", settings)
@@ -81,7 +83,27 @@ def pretrain_stage(cfg) -> tuple[str, dict]:
     def begun(path):
         return os.path.exists(path) or os.path.exists(staging_path(path, cfg.run_name))
 
-    return (before if any_rank(not begun(stage) and begun(before)) else stage), settings
+    for path in (stage, before):
+        if any_rank(begun(path)):
+            return path, settings
+    built = sorted(glob.glob(os.path.join(glob.escape(os.path.dirname(stage)), "*"))) if is_main() else []
+    return from_main(next((p for p in built if _built_before_with(p, settings)), stage)), settings
+
+
+def _built_before_with(path: str, settings: dict) -> bool:
+    """Whether `path` holds a stage built with `settings` and other values of KEYED_BEFORE and
+    ORM_SETTINGS only: a setting it records beyond those (a --val-data, which the key leaves out
+    while unset) makes it another critic."""
+    recorded = os.path.join(path, STAGE_SETTINGS)
+    if ".partial-" in os.path.basename(path) or not os.path.isfile(recorded):
+        return False
+    try:
+        if set(read_json(recorded, "")) - set(settings) - set(KEYED_BEFORE + ORM_SETTINGS):
+            return False
+        check_stage(path, settings)
+    except ConfigError:
+        return False
+    return True
 
 
 def plateaued(history: list[dict], window: int, rel_tol: float, ev_tol: float) -> bool:

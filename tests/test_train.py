@@ -580,6 +580,14 @@ def test_runs_that_differ_only_in_what_pretraining_never_reads_share_its_critic_
     assert not rundir.build_shared(other, link, settings, lambda staging: pytest.fail("pretrained again"),
                                    shared=value_pretrain.pretrain_stage(other)[0])
     assert os.path.realpath(link) == os.path.realpath(before)
+    # Built before with another value clip: under another key of before, found all the same, unless it
+    # records a setting beyond those (a --val-data, left out of the key while unset).
+    clipped = micro_config(tmp_path, "--run-name", "clipped", "--value-clip", "0.3")
+    assert value_pretrain.pretrain_stage(clipped) == (before, settings)
+    rundir.write_json(os.path.join(before, rundir.STAGE_SETTINGS), then | {"val_data": ["held_out.jsonl"]})
+    assert value_pretrain.pretrain_stage(clipped)[0] == stage
+    rundir.write_json(os.path.join(before, rundir.STAGE_SETTINGS), then | {"critic_lr": 1.0})
+    assert value_pretrain.pretrain_stage(clipped)[0] == stage
     os.makedirs(stage)  # both: the key of now
     assert value_pretrain.pretrain_stage(other)[0] == stage
 
