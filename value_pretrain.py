@@ -47,7 +47,7 @@ PPO_ONLY = ("run_name", "plan", "lam_actor", "lam_critic", "length_adaptive_alph
             "clip_low", "clip_high", "dual_clip", "whiten_advantages", "kl_coef", "kl_estimator", "entropy_coef",
             "eval_temperature", "eval_max_new_tokens")
 # Never read by pretraining either (it regresses on the returns unclipped, and evaluates nothing),
-# but keyed until 2026-12-05: a critic pretrained before is still found under that key (`pretrain_stage`).
+# but keyed until 2026-12-05: a critic pretrained before is still found (`pretrain_stage`).
 KEYED_BEFORE = ("value_clip", "eval_samples", "task_eval_size")
 ORM_SETTINGS = ("orm_batches", "orm_steps", "orm_lr", "orm_loss")  # keyed only where the critic starts from the ORM
 # Data settings added after critics had been pretrained and shared: left out of the key while unset,
