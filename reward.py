@@ -47,10 +47,11 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
 # on a busy CPU; far more is an import hung on a shared filesystem, which grading would wait on for good.
 STARTUP_TIMEOUT_S = 120.0
 
-# A box opens its group (`\\boxed{42}`, `\\boxed {42}`) or, without braces, boxes what follows a space
-# (`\\boxed 42`: the whole number, which is what a model writing it means, not TeX's single token).
-_BOX_OPEN = re.compile(r"\\(?:boxed|fbox)(?:\s*\{|\s+(?=[^\s{]))")
-_UNBRACED = re.compile(r"[^\s$]+")
+# A box opens its group (`\\boxed{42}`, `\\boxed {42}`) or, without braces, boxes what follows it
+# (`\\boxed 42`, `\\boxed42`: the whole number, which is what a model writing it means, not TeX's
+# single token). Every box counts, a bare one too (`\\boxed` at the end): the last one is the answer.
+_BOX_OPEN = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])(?:\s*\{)?")
+_UNBRACED = re.compile(r"\s*([^\s$]+)")
 # Thin and other spaces between digit groups (`1\,000`, `1\;000`, `1~000`; `1 000`, which TeX sets
 # as 1000; a no-break or thin space): math-verify reads `1\,000` as no number and `1 000` as another;
 # they go, as the thousands commas it already reads do.
@@ -62,7 +63,8 @@ _PLAIN_INT = re.compile(r"-?[0-9]{1,50}")
 
 def last_boxed(text: str) -> str | None:
     """Content of the last `\\boxed{...}` or `\\fbox{...}` (nested braces allowed), or None;
-    `\\boxed 42` without braces boxes the text up to the next space or `$` (a final full stop dropped).
+    `\\boxed 42` or `\\boxed42` without braces boxes the text up to the next space or `$` (a final full
+    stop dropped).
 
     A last box that never closes (a truncated response) or is empty counts as no answer: an earlier
     box was not the final answer either.
@@ -72,8 +74,8 @@ def last_boxed(text: str) -> str | None:
         return None
     start = k = opens[-1].end()
     if not opens[-1].group().endswith("{"):
-        unbraced = _UNBRACED.match(text, start)  # none where the space is followed by `$`: an empty box
-        return (unbraced.group().rstrip(".,;:") or None) if unbraced else None
+        unbraced = _UNBRACED.match(text, start)  # none at the end, or before a `$`: an empty box
+        return (unbraced.group(1).rstrip(".,;:") or None) if unbraced else None
     depth = 1
     while k < len(text):
         if text[k] == "\\":  # an escape: \{ and \} are literal braces (sets), \\ a line break
@@ -157,9 +159,10 @@ def rule_reward(response: str, ground_truth: str, timeout_s: float = 5.0) -> flo
 
     Only `response` is graded, so callers pass the response text alone (a box in the prompt must not
     count). Never raises on any response (ValueError for a ground truth that is neither text nor a
-    number), and never takes much longer than `timeout_s`: math-verify
-    runs in the worker of a one-worker `Grader`, started at the first call and kept for the next
-    ones, and an answer it cannot grade in time scores -1. Batches: use a `Grader` of their own.
+    number). math-verify runs in the worker of a one-worker `Grader`, started at the first call and
+    kept for the next ones; an answer it cannot grade within `timeout_s` scores -1, and its worker is
+    killed, so the next call also waits for a new one to start (a few seconds; at most
+    STARTUP_TIMEOUT_S). Batches: use a `Grader` of their own.
     """
     global _rule_reward_grader
     if not 0 < timeout_s < math.inf:

@@ -68,6 +68,21 @@ def test_missing_unclosed_or_empty_box_scores_minus_one():
         assert grader.grade(["\\boxed $5$", "\\boxed{5}"], ["5", "5"]).outcomes == [-1.0, 1.0]
 
 
+def test_the_last_box_is_the_answer_even_without_braces_or_content():
+    """A box written without braces right after the command (`\\boxed6`) or left bare at the end was
+    passed over, and an earlier box graded in its place: a response that changed its mind from 5 to 6
+    scored +1 against the gold 5."""
+    assert last_boxed("\\boxed{5} wait, recheck: the answer is \\boxed6") == "6"
+    assert last_boxed("\\boxed42 is it") == "42" and last_boxed("\\boxedfoo{3}") is None  # another command
+    revised = ["\\boxed{5} wait, recheck: \\boxed6", "\\boxed{5} wait, recheck: \\boxed",
+               "\\boxed{5} or \\fbox", "\\boxed{5} or \\boxed 6"]
+    for response in revised:
+        assert rule_reward(response, "5") == -1.0, response
+    with Grader(num_workers=1) as grader:
+        graded = grader.grade(revised, ["6", "5", "5", "6"])
+    assert graded.outcomes == [1.0, -1.0, -1.0, 1.0] and graded.num_missing_box == 2
+
+
 def test_nested_braces_and_fbox_are_extracted():
     assert last_boxed("x \\boxed{\\frac{1}{\\sqrt{2}}} y") == "\\frac{1}{\\sqrt{2}}"
     assert last_boxed("\\boxed{\\{1, 2\\}}") == "\\{1, 2\\}"
