@@ -132,7 +132,8 @@ def grpo_advantages(outcomes, mask, group_size, eps=1e-6):
     check_masked_inputs(mask, right_padded=True)
     if not torch.isfinite(outcomes).all():
         raise ValueError("outcomes contains NaN or inf")
-    if not isinstance(group_size, int) or group_size < 2 or outcomes.shape[0] % group_size or mask.shape[0] != outcomes.shape[0]:
+    if (not isinstance(group_size, int) or group_size < 2 or outcomes.shape[0] % group_size
+            or mask.shape[0] != outcomes.shape[0]):
         raise ValueError(
             f"need group_size >= 2 dividing B; got group_size={group_size}, "
             f"outcomes {tuple(outcomes.shape)}, mask {tuple(mask.shape)}"

@@ -139,7 +139,8 @@ def kl_penalty(log_probs, ref_log_probs, kind="k3"):
     if kind not in _KL_KINDS:
         raise ValueError(f"kind must be one of {_KL_KINDS}, got {kind!r}")
     if log_probs.shape != ref_log_probs.shape:  # [B, T] against [B, 1] would broadcast, in silence
-        raise ValueError(f"log_probs {tuple(log_probs.shape)} and ref_log_probs {tuple(ref_log_probs.shape)} differ in shape")
+        raise ValueError(f"log_probs {tuple(log_probs.shape)} and ref_log_probs {tuple(ref_log_probs.shape)} "
+                         f"differ in shape")
     log_r = log_probs - ref_log_probs
     if kind == "k1":
         return log_r
