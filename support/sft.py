@@ -211,12 +211,16 @@ def check_model(path: str, weights: bool = True, positions: int | None = None, c
                                                         MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES)
 
     where, root = f"--model {path}", Path(path)
+
+    def read_json(name: str):
+        try:
+            return json.loads((root / name).read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ModelError(f"{where}: {name} is not JSON ({e})") from None
+
     if not (root / "config.json").is_file():
         raise ModelError(f"{where}: no Hugging Face checkpoint there (no config.json)")
-    try:
-        config = json.loads((root / "config.json").read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelError(f"{where}: config.json is not JSON ({e})") from None
+    config = read_json("config.json")
     model_type = config.get("model_type") if isinstance(config, dict) else None
     if model_type is None:
         raise ModelError(f"{where}: config.json has no model_type")
@@ -260,10 +264,7 @@ def check_model(path: str, weights: bool = True, positions: int | None = None, c
             raise ModelError(f"{where}: {shard.name} is unreadable, truncated? ({e})") from None
     for name in JSON_FILES:
         if (root / name).is_file():
-            try:
-                json.loads((root / name).read_text(encoding="utf-8"))
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise ModelError(f"{where}: {name} is not JSON ({e})") from None
+            read_json(name)
     if not any((root / name).is_file() for name in VOCABULARY_FILES) and not any(root.glob("*.tiktoken")):
         raise ModelError(f"{where}: no tokenizer vocabulary (none of {', '.join(VOCABULARY_FILES)}, nor a "
                          f"*.tiktoken file)")
