@@ -44,7 +44,7 @@ from ppo_update import assert_finite, masked_whiten, micro_batched_forward, upda
 from rollout import HFRollout, RolloutBatch, stop_and_pad_ids
 from sampling import Sampler
 from support.sft import ModelError, check_vocabulary, prepare_sft
-from support.vllm_rollout import VLLMRollout
+from support.vllm_rollout import VLLMRollout, check_installed
 from value_pretrain import check_rerun, prepare_value_critic
 from reward import Grader
 
@@ -244,8 +244,10 @@ def main(cfg: Config) -> dict:
     if cfg.plan:
         memory_plan.print_plan(cfg)
         return {}
-    try:  # before any stage runs: a GPU-only flag on a CPU machine stops here
+    try:  # before any stage runs: a GPU-only flag on a CPU machine, or vLLM where it is missing, stops here
         fsdp_utils.check_gpu_options(cfg.mixed_precision, cfg.cpu_offload)
+        if cfg.rollout == "vllm":
+            check_installed()
     except ValueError as err:
         raise ConfigError(str(err)) from None
     dist_info = fsdp_utils.init_distributed(cpu_collectives=cfg.cpu_offload)

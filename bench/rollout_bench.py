@@ -57,6 +57,7 @@ The last line:
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -260,7 +261,8 @@ def main() -> None:
     p.add_argument("--models", nargs="+", default=["tiny", "mid"], choices=list(MODELS))
     p.add_argument("--checkpoint", help="a trained model (Hugging Face format) instead of --models' random ones")
     p.add_argument("--task-length", default="short", choices=["short", "long"], help="the built-in task's prompts")
-    p.add_argument("--backends", nargs="+", default=["hf", "hf-fast", "vllm"], choices=["hf", "hf-fast", "vllm"])
+    p.add_argument("--backends", nargs="+", choices=["hf", "hf-fast", "vllm"],
+                   help="default: all three, vLLM where it is installed (Linux)")
     p.add_argument("--no-eos", action="store_true", help="every row runs all --new-tokens (timing only)")
     p.add_argument("--profile", action="store_true", help="HF backends: the operators that take the most time")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
@@ -268,6 +270,15 @@ def main() -> None:
     p.add_argument("--backend", help=argparse.SUPPRESS)  # child mode: comma-separated backends
     p.add_argument("--model", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.backends is None:  # as explicit --backends would be, with vLLM only where it is installed
+        args.backends = ["hf", "hf-fast"] + ["vllm"] * (importlib.util.find_spec("vllm") is not None)
+    elif "vllm" in args.backends and not args.backend:
+        from support.vllm_rollout import check_installed
+
+        try:
+            check_installed("--backends vllm")
+        except ValueError as err:
+            p.error(str(err))
     if args.no_eos and "vllm" in args.backends and not args.backend:
         p.error("--no-eos times the Hugging Face backends only (vLLM refuses a stop id outside the vocabulary)")
     if args.device == "cuda" and "vllm" in args.backends and not args.backend:

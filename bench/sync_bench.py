@@ -81,6 +81,12 @@ def main() -> None:
     if args.model:
         worker(args)
         return
+    from support.vllm_rollout import check_installed
+
+    try:
+        check_installed("bench/sync_bench.py")
+    except ValueError as err:
+        p.error(str(err))
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "CUDA_VISIBLE_DEVICES": ""}
     print(f"{'model':<7}{'ranks':>6}{'GB':>7}{'sync s':>9}{'sync s/GB':>11}{'copy s/GB':>11}{'sync/copy':>11}")
     for model in args.models:

