@@ -4,6 +4,7 @@ names, its summary of a skipped part and its time limit on a command's children.
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -239,6 +240,7 @@ def test_gpu_smoke_reports_a_skipped_part_as_skipped_not_as_passed():
     assert summary[2] == "gpu_smoke: all checks passed, but for the skipped part(s) 4 (dry run on the CPU)"
 
 
+@pytest.mark.skipif(shutil.which("timeout") is None, reason="gpu_smoke.sh bounds its parts with GNU timeout (Linux)")
 def test_gpu_smoke_stops_a_commands_children_at_the_parts_time_limit(tmp_path):
     """A part's command that has started a process of its own (rollout_bench's engine child, the
     graders of train.py) is stopped with it at the limit: the child does not run on under the next
