@@ -7,7 +7,10 @@ outcome), the Bradley-Terry reward model (`--orm-loss bradley-terry`), pi_SFT wi
 into advantages. With an exact critic E[A_t] = 0 at every position, so the mean advantage by position
 shows each critic's bias; the mean Monte-Carlo return (the lambda = 1 target, the same for every
 critic) is what V(s_t) should be on average. The paper's Fig. 2 has early tokens biased UP; report
-the sign measured here (a prototype before this project measured it negative).
+the sign measured here (a prototype before this project measured it negative), in two parts: the level
+(the first bin's mean advantage, which holds the error the critic makes at every position: it moves
+every token alike, and advantage whitening removes it), and the position (each response's first-bin
+mean against its own mean over all its tokens: the bias of early tokens over later ones).
 
 Flags after a `--` are train.py's own (`config.parse_config`): give the run's flags, so that paths,
 task, sampling, reward and the stages --build runs are the run's.
@@ -92,6 +95,8 @@ class BiasResult:
     advantages: dict[str, dict[float, np.ndarray]]  # critic -> lambda -> [n_bins] mean A_t
     pearson: dict[str, dict[float, float]]  # critic -> lambda -> token-level corr(A_t, t)
     first_bin_se: dict[str, dict[float, float]]  # standard error of the first bin's mean, over responses
+    # critic -> lambda -> (mean, SE) over responses of its first-bin mean advantage minus its mean over all its tokens
+    early_vs_response: dict[str, dict[float, tuple[float, float]]]
     skipped: dict[str, str]  # critic -> why it has no curve
     rollout: dict  # responses, mean and max length, accuracy, truncated share
     first_quarter: dict[str, dict[float, tuple[float, float]]]  # critic -> lambda -> (mean, SE) over responses
@@ -206,10 +211,12 @@ def box_alignment(rollouts, values: list, starts: list[list[tuple[int, int]]], b
 def position_sums(rollouts, critic, lambdas, gamma, width: int, bin_size: int) -> dict:
     """Per-position sums (float64, [width]) over every valid token of every rollout: token count,
     lambda = 1 return, V(s_t) and A_t per lambda; sum A_t^2 per lambda (for the correlation); and
-    each response's own mean A_t over the first bin (for a standard error over responses)."""
+    each response's own mean A_t over the first bin, alone and less its mean over all its tokens (for
+    standard errors over responses)."""
     z = lambda: np.zeros(width)
     sums = {"count": z(), "ret": z(), "value": z(), "adv": {lam: z() for lam in lambdas},
             "adv_sq": {lam: 0.0 for lam in lambdas}, "first_bin": {lam: [] for lam in lambdas},
+            "early_vs_response": {lam: [] for lam in lambdas},
             "first_quarter": {lam: [] for lam in lambdas}, "values": []}
 
     def add(key, x, mask, lam=None):
@@ -229,7 +236,9 @@ def position_sums(rollouts, critic, lambdas, gamma, width: int, bin_size: int) -
             adv, _ = compute_gae(rewards, values, mask, gamma, lam=lam)  # GAE
             add("adv", adv, mask, lam)
             sums["adv_sq"][lam] += float(masked_sum(adv.double() ** 2, mask.double()))
-            sums["first_bin"][lam] += masked_mean(adv[:, :bin_size], mask[:, :bin_size], dim=1).tolist()
+            first_bin = masked_mean(adv[:, :bin_size], mask[:, :bin_size], dim=1)
+            sums["first_bin"][lam] += first_bin.tolist()
+            sums["early_vs_response"][lam] += (first_bin - masked_mean(adv, mask, dim=1)).tolist()
             sums["first_quarter"][lam] += masked_mean(adv, quarter, dim=1).tolist()
     return sums
 
@@ -263,7 +272,7 @@ def measure(args: Args, rollouts, paths: dict, gamma: float, starts: list[list[t
     """Binned values and advantages of every critic found at `paths`, on the same rollouts; `starts`:
     where each response's final box opens and its content begins (`box_starts`)."""
     width = max(int(s.batch.lengths.max()) for s in rollouts)
-    values, advantages, pearson, first_se, skipped, common = {}, {}, {}, {}, {}, None
+    values, advantages, pearson, first_se, early, skipped, common = {}, {}, {}, {}, {}, {}, None
     first_quarter, box, quality = {}, {}, {}
     for name in CRITICS:
         path = paths[name]
@@ -283,6 +292,7 @@ def measure(args: Args, rollouts, paths: dict, gamma: float, starts: list[list[t
                 quality[name] = orm_quality(critic, rollouts)
         del critic
         first_quarter[name] = {lam: mean_and_se(s["first_quarter"][lam]) for lam in args.lambdas}
+        early[name] = {lam: mean_and_se(s["early_vs_response"][lam]) for lam in args.lambdas}
         box[name] = box_alignment(rollouts, s["values"], starts)
         common = s
         values[name] = binned(s["value"], s["count"], args.bin_size)
@@ -300,7 +310,7 @@ def measure(args: Args, rollouts, paths: dict, gamma: float, starts: list[list[t
         lambdas=args.lambdas, bin_size=args.bin_size, bin_start=np.arange(0, width, args.bin_size),
         tokens=bin_sums(common["count"], args.bin_size),
         mc_return=binned(common["ret"], common["count"], args.bin_size), values=values,
-        advantages=advantages, pearson=pearson, first_bin_se=first_se, skipped=skipped,
+        advantages=advantages, pearson=pearson, first_bin_se=first_se, early_vs_response=early, skipped=skipped,
         first_quarter=first_quarter, box=box, orm_quality=quality, offset=args.offset,
         rollout={"responses": len(lengths), "mean_length": lengths.mean().item(), "max_length": width,
                  "accuracy": (outcomes > 0).float().mean().item(),
@@ -308,12 +318,17 @@ def measure(args: Args, rollouts, paths: dict, gamma: float, starts: list[list[t
     )
 
 
-def sign_sentence(mean: float, se: float) -> str:
-    if abs(mean) <= 2 * se:
-        return "not distinguishable from 0 (within 2 standard errors)"
-    if mean > 0:
-        return "POSITIVE, early tokens favoured (the paper's Fig. 2 sign)"
-    return "NEGATIVE, early tokens penalised (the paper's Fig. 2 is positive)"
+def sign_sentence(first_bin: float, first_se: float, early: float, early_se: float) -> str:
+    """The verdict on Fig. 2's bias: the first bin's level against 0, then early tokens against the
+    rest of their own response, each judged at 2 standard errors."""
+    def against(mean, se, above, below, neither):
+        return neither if abs(mean) <= 2 * se else above if mean > 0 else below
+
+    level = against(first_bin, first_se, "above 0", "below 0", "within 2 SE of 0")
+    position = against(early, early_se, "early tokens favoured over the rest of their response (the paper's Fig. 2 "
+                       "direction)", "early tokens penalised against the rest of their response (the paper's Fig. 2 is "
+                       "the other way)", "early tokens no different from the rest of their response (within 2 SE)")
+    return f"level {level}; {position}"
 
 
 def plot(r: BiasResult, path: Path) -> None:
@@ -377,11 +392,12 @@ def markdown(r: BiasResult, paths: dict, gamma: float, seconds: dict) -> str:
         for lam in lams:
             adv = r.advantages[name][lam]
             all_mean = float((adv * r.tokens).sum() / r.tokens.sum())
-            se = r.first_bin_se[name][lam]
+            se, (early, early_se) = r.first_bin_se[name][lam], r.early_vs_response[name][lam]
             summary.append(f"| {LABELS[name]} | {lam:g} | {r.pearson[name][lam]:+.3f} | {adv[0]:+.3f} ± {2 * se:.3f} | "
-                           f"{all_mean:+.3f} | {r.values[name][0]:+.3f} |")
+                           f"{early:+.3f} ± {2 * early_se:.3f} | {all_mean:+.3f} | {r.values[name][0]:+.3f} |")
             signs.append(f"- {LABELS[name]}, lambda = {lam:g}: first-bin mean advantage {adv[0]:+.3f} "
-                         f"(all tokens {all_mean:+.3f}): {sign_sentence(adv[0], se)}.")
+                         f"(all tokens {all_mean:+.3f}), against its response's mean {early:+.3f}: "
+                         f"{sign_sentence(adv[0], se, early, early_se)}.")
     names = list(r.values)
     head = ("| tokens t | n tokens | mean return | " + " | ".join(f"V {name}" for name in names)
             + "".join(f" | A {name} λ={lam:g}" for name in names for lam in lams) + " |")
@@ -398,10 +414,14 @@ def markdown(r: BiasResult, paths: dict, gamma: float, seconds: dict) -> str:
         "Critics: " + "; ".join(f"{LABELS[n]} = {paths[n]}" for n in CRITICS) + ". "
         "The SFT critic has a fresh N(0, 0.02) head (critic.load_value_model)"
         + (f", its values moved by {r.offset:+g} (--offset)" if r.offset else "") + ".", "",
-        "| critic | lambda | Pearson r(A_t, t), token level | mean A_t, first bin ± 2 SE | mean A_t, all tokens "
-        "| mean V(s_t), first bin |", "|---|---|---|---|---|---|", *summary, "",
+        "| critic | lambda | Pearson r(A_t, t), token level | mean A_t, first bin ± 2 SE | first bin less its "
+        "response's mean ± 2 SE | mean A_t, all tokens | mean V(s_t), first bin |", "|---|---|---|---|---|---|---|",
+        *summary, "",
         f"Mean return (lambda = 1 target, same for every critic), first bin: {r.mc_return[0]:+.3f}.", "",
-        "Sign measured (SE over responses of each response's own first-bin mean):", *signs, "",
+        "Sign measured (SE over responses, of each response's own first-bin mean, and of that mean less the "
+        "response's mean over all its tokens). The level is the error the critic makes at every position: it "
+        "moves every token's advantage alike, and advantage whitening (train.py's default) removes it; the "
+        "paper's Fig. 2 is about the position, early tokens against later ones.", *signs, "",
         *mechanism_lines(r),
         *[f"- {LABELS[n]}: skipped, {why}." for n, why in r.skipped.items()], "",
         "For an exact critic every bin's expected mean advantage is 0 (reaching position t is part of s_t); "
@@ -409,7 +429,7 @@ def markdown(r: BiasResult, paths: dict, gamma: float, seconds: dict) -> str:
         "they are few and noisy (see n tokens).", "",
         "## By position", "", head, "|---|---|---|" + "---|" * (len(names) + len(names) * len(lams)), *rows, "",
         f"Runtime: rollouts {seconds['rollouts']:.1f} s, critics {seconds['critics']:.1f} s "
-        "(2 shared CPU cores).", "",
+        f"({torch.get_num_threads()} torch threads).", "",
     ])
 
 
@@ -420,6 +440,7 @@ def to_json(r: BiasResult) -> dict:
         "advantages": {k: {str(lam): a.tolist() for lam, a in v.items()} for k, v in r.advantages.items()},
         "pearson": {k: {str(lam): c for lam, c in v.items()} for k, v in r.pearson.items()},
         "first_bin_se": {k: {str(lam): c for lam, c in v.items()} for k, v in r.first_bin_se.items()},
+        "early_vs_response": {k: {str(lam): list(c) for lam, c in v.items()} for k, v in r.early_vs_response.items()},
         "skipped": r.skipped, "rollout": r.rollout,
         "first_quarter": {k: {str(lam): list(c) for lam, c in v.items()} for k, v in r.first_quarter.items()},
         "box": r.box, "orm_quality": r.orm_quality, "offset": r.offset,
@@ -441,6 +462,9 @@ def main(args: Args, train_argv: list[str] = ()) -> BiasResult:
         paths["sft"] = prepare_sft(cfg)  # train.py's SFT stage (cached)
     if not Path(paths["sft"], "config.json").is_file():
         raise ValueError(f"no pi_SFT checkpoint at {paths['sft']}: run train.py first, pass --sft PATH, or --build")
+    for flag, given in (("--orm", args.orm), ("--orm-bt", args.orm_bt), ("--critic", args.critic)):
+        if given is not None and not Path(given, "config.json").is_file():  # only train.py's own paths may be missing
+            raise ValueError(f"{flag} {given}: no checkpoint there (no config.json)")
     start = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(paths["sft"])
     records, _ = prepare_data(cfg, tokenizer)

@@ -4,6 +4,7 @@ import dataclasses
 import json
 import math
 import re
+import shutil
 import types
 from pathlib import Path
 
@@ -118,10 +119,13 @@ def test_pearson_from_position_sums_equals_numpy_corrcoef():
     assert math.isnan(advantage_bias.pearson_with_position(count.astype(float), 0.5 * count, 0.25 * 200))
 
 
-def test_missing_critic_is_skipped_and_named_in_the_report(run_root, tmp_path):
-    result = run_bias(run_root, tmp_path, critic=str(tmp_path / "nowhere"), rollouts=2)
+def test_a_critic_train_py_has_not_made_is_skipped_and_named_in_the_report(run_root, tmp_path):
+    root = tmp_path / "runs"
+    shutil.copytree(run_root, root)
+    shutil.rmtree(root / RUN / "value_pretrain" / "critic")  # the run's own path, no flag: not trained yet
+    result = run_bias(root, tmp_path, rollouts=2)
     assert set(result.skipped) == {"pretrained"} and set(result.values) == {"orm", "orm-bt", "sft"}
-    assert "nowhere" in (tmp_path / "advantage_bias.md").read_text()
+    assert f"no checkpoint at {root / RUN / 'value_pretrain' / 'critic'}" in (tmp_path / "advantage_bias.md").read_text()
 
 
 def test_missing_sft_and_bad_sizes_raise_value_error(run_root, tmp_path):
@@ -304,6 +308,20 @@ def test_first_bin_advantage_of_a_short_response_averages_its_own_tokens_only(mo
     assert sums["count"].tolist() == [2, 2, 1, 1, 1, 1, 1, 1]
 
 
+def test_early_tokens_are_judged_against_their_own_response_not_by_the_level_all_tokens_share(monkeypatch):
+    """The verdict read the first bin's mean advantage alone: a critic off by the same amount at every
+    position (A_t = G - V at lambda = 1 moves every token alike) was reported as "early tokens
+    penalised", and a first bin above 0 as "favoured" while later tokens were favoured more."""
+    sums = position_sums_of_two_responses(monkeypatch, [8, 2])
+    # A_t = outcome - 0.1 t. First: bin 1 - 0.15, all 1 - 0.35; second: both -1 - 0.05.
+    assert sums["early_vs_response"][1.0] == pytest.approx([0.2, 0.0])
+    sentence = advantage_bias.sign_sentence
+    assert sentence(-0.6, 0.05, 0.01, 0.02) == ("level below 0; early tokens no different from the rest of their "
+                                                "response (within 2 SE)")
+    assert sentence(0.3, 0.05, -0.2, 0.05).startswith("level above 0; early tokens penalised against the rest")
+    assert sentence(0.05, 0.05, 0.2, 0.05).startswith("level within 2 SE of 0; early tokens favoured over the rest")
+
+
 def test_the_fresh_head_critic_is_the_one_a_run_of_that_seed_starts_from(run_root, tmp_path, monkeypatch):
     """pi_SFT's fresh head was drawn from the global RNG after torch.manual_seed(--seed), while
     load_value_model draws it from its own seed argument: every --seed read one head, and not the one
@@ -327,3 +345,28 @@ def test_strategies_refuses_no_problem_rather_than_report_a_pass_at_1_of_0(run_r
     with pytest.raises(ValueError, match="--problems must be >= 1, got 0"):
         strategies.main(strategies.Args(runs=(run_root / RUN,), problems=0, out=tmp_path))
     assert not (tmp_path / "strategies.md").exists()
+
+
+def test_strategies_refuses_runs_that_sample_with_other_limits_rather_than_sample_them_all_with_the_first(
+        run_root, tmp_path):
+    """Every policy was sampled at the first run's --max-new-tokens and --temperature, said nowhere:
+    a run trained at 30 tokens was evaluated at 40."""
+    runs = []
+    for name, tokens in (("a", 20), ("b", 30)):
+        run = tmp_path / name
+        run.mkdir()
+        saved = json.loads((run_root / RUN / "config.json").read_text())
+        (run / "config.json").write_text(json.dumps({**saved, "max_new_tokens": tokens}))
+        (run / "summary.json").write_text("{}")
+        runs.append(run)
+    with pytest.raises(ValueError, match=f"other --max-new-tokens or --temperature \\({runs[0]}: 20 tokens at "
+                                         f"temperature 1; {runs[1]}: 30 tokens"):
+        strategies.main(strategies.Args(runs=tuple(runs), problems=2, out=tmp_path / "out"))
+
+
+def test_a_critic_named_by_a_flag_that_is_not_there_is_refused_not_skipped(run_root, tmp_path):
+    """`--orm-bt PATH` with a typo in PATH skipped that critic after sampling, with a hint to run
+    train.py or pass --build, though the path was the user's own."""
+    with pytest.raises(ValueError, match=f"--orm-bt {tmp_path / 'typo'}: no checkpoint there"):
+        run_bias(run_root, tmp_path / "out", orm_bt=str(tmp_path / "typo"))
+    assert not (tmp_path / "out").exists()
