@@ -89,6 +89,11 @@ def main(args: Args) -> dict:
            or task_difficulty(c) != task_difficulty(base) for c in configs):
         raise ValueError("the runs must share the built-in task's pi_SFT and problems "
                          "(same --task-length, --sft-steps and --task-difficulty)")
+    if len({(c.max_new_tokens, c.temperature) for c in configs}) > 1:  # one setting samples every policy here
+        shown = "; ".join(f"{run}: {c.max_new_tokens} tokens at temperature {c.temperature:g}"
+                          for run, c in zip(args.runs, configs))
+        raise ValueError(f"the runs sample with other --max-new-tokens or --temperature ({shown}), and every policy "
+                         f"here is sampled with one: compare such runs in separate calls")
     sft_path = sft_cache_path(base)
     tokenizer = AutoTokenizer.from_pretrained(sft_path)
     low, high = task_difficulty(base)
