@@ -30,6 +30,7 @@ from its checkpoint. Flags after `--` go to every train.py run.
 """
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -270,15 +271,26 @@ def build_missing_sft(configs: list[Config]) -> None:
 def load(run: Run) -> dict:
     """A finished run's summary, metrics rows and wall time. The grids read a curve's step from its
     row's place, so rows that are not steps 0, 1, ... (a resumed run told of a gap goes on past it)
-    are refused rather than drawn at the wrong steps."""
-    rows = [json.loads(line) for line in (run.dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    if (steps := [r.get("step") for r in rows]) != list(range(len(rows))):
-        missing = sorted(set(range(max((s for s in steps if isinstance(s, int)), default=0))) - set(steps))
-        raise ValueError(f"{run.dir / 'metrics.jsonl'}: its rows are not steps 0 to {len(rows) - 1} in order "
-                         f"(missing: {missing[:10] or 'none'}); rerun it to read it")
+    are refused rather than drawn at the wrong steps, as is a row whose curves hold no number."""
+    path, remedy = run.dir / "metrics.jsonl", "rerun it to read it"
+    lines, torn = rundir.logged_rows(str(path))  # a damaged line is named
+    rows = [json.loads(text) for _, text in lines]
+    if torn is not None or not rows:
+        raise ValueError(f"{path}: {'its last line is cut short' if torn else 'no rows'}; {remedy}")
+    if (steps := [r["step"] for r in rows]) != list(range(len(rows))):
+        missing = sorted(set(range(max(steps))) - set(steps))
+        raise ValueError(f"{path}: its rows are not steps 0 to {len(rows) - 1} in order "
+                         f"(missing: {missing[:10] or 'none'}); {remedy}")
+    for row in rows:
+        for key, _ in CURVES:
+            if not isinstance(value := row.get(key), (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{path}: step {row['step']} has {key} {value!r}, not a number; {remedy}")
+    summary = rundir.read_json(str(run.dir / "summary.json"), remedy)
+    if not all(isinstance(summary.get(stage), dict) for stage in ("sft", "ppo")):
+        raise ValueError(f"{run.dir / 'summary.json'}: no held-out evaluation of pi_SFT and PPO in it; {remedy}")
     timing = run.dir / "ablation_run.json"
-    return {"seed": run.seed, "summary": json.loads((run.dir / "summary.json").read_text()), "metrics": rows,
-            "wall_s": json.loads(timing.read_text())["wall_s"] if timing.is_file() else None}
+    return {"seed": run.seed, "summary": summary, "metrics": rows,
+            "wall_s": rundir.read_json(str(timing), remedy)["wall_s"] if timing.is_file() else None}
 
 
 def mean_std(values: list) -> tuple[float, float]:
@@ -375,7 +387,16 @@ def markdown(agg: dict, wall: float, ran: int, runs: list[Run], loaded: dict, ta
         lines.append(f"| {variant} | {row['seeds']} | {pm(row['pass@1'])} | {pm(row['pass@k'][1:])} | "
                      f"{pm(row['mean_length'], 1)} | {pm(row['min_train_length'], 1)} | {pm(row['first_ev'], 2)} | {paper} |")
     walls = [s["wall_s"] for seeds in loaded.values() for s in seeds if s["wall_s"] is not None]
-    lines += ["", "pi_SFT: the policy every run starts from, evaluated once per seed (each seed samples differently).", ""]
+    lines += ["", "pi_SFT: the policy every run starts from, evaluated once per seed (each seed samples differently)."]
+    if 29.4 in [row["paper"] for row in agg["table"].values()]:
+        lines.append("The paper gives 29.4 both without decoupled GAE and at lambda_actor 1.0 (lambda_critic 1.0): "
+                     "perhaps one run, both lambdas at 1.0. vc-ppo-no-dgae here sets both to 0.95, so the paper's "
+                     "value beside it is the less certain one.")
+    seeds = {variant: sorted(s["seed"] for s in runs_of) for variant, runs_of in loaded.items()}
+    if len({tuple(v) for v in seeds.values()}) > 1:  # a grid read before all its runs finished
+        lines.append("Seeds differ between rows, each row's mean is over its own: "
+                     + "; ".join(f"{v} {', '.join(map(str, s))}" for v, s in seeds.items()) + ".")
+    lines.append("")
     if walls:
         lines.append(f"Time per run (train.py, measured when it ran): median {np.median(walls):.0f} s, "
                      f"range {min(walls):.0f}-{max(walls):.0f} s over {len(walls)} runs.")
@@ -413,7 +434,9 @@ def main(args: Args, train_flags: list[str]) -> dict:
                                                                   for v, cs in agg["curves"].items()}})  # NaN as null
     print(md.read_text())
     for r in missing:
-        print(f"missing: {r.dir} ({'failed, see ' + str(r.dir / 'train.log') if r in failed else 'not run'})")
+        why = ("failed, see " + str(r.dir / "train.log") if r in failed
+               else "unfinished: a checkpoint, no summary.json" if (r.dir / "checkpoint").is_dir() else "not run")
+        print(f"missing: {r.dir} ({why})")
     print(f"wrote {png}, {md} and {js}")
     return agg
 

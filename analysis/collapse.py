@@ -168,7 +168,7 @@ def measure_run(loaded: dict) -> dict:
         "seed": loaded["seed"], "steps": len(rows), "wall_s": loaded["wall_s"],
         "initial_error": first.get("critic/value_error/all"),
         "initial_error_first_quarter": first.get("critic/value_error/first_quarter"),
-        "first_step_advantage_by_quarter": [first[f"advantage/pos_bin{b}"] for b in range(4)],
+        "first_step_advantage_by_quarter": [first.get(f"advantage/pos_bin{b}") for b in range(4)],  # None: not logged
         "first_step_advantage_last_token": first.get("advantage/last_token"),
         "first_step_advantage_other_tokens": first.get("advantage/other_tokens"),
         "length_ratio": length_ratio(lengths),

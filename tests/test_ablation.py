@@ -4,6 +4,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import signal
 import sys
 import threading
@@ -53,6 +54,7 @@ def test_reads_a_grid_and_reports_mean_and_sample_std(tmp_path):
     assert agg["curves"]["ppo"]["response_length/mean"].tolist() == [[100, 50, 60], [100, 80, 90]]
     md = (tmp_path / "out" / "ablation.md").read_text()
     assert "| ppo | 2 | 0.300 ± 0.141 |" in md and "| 5.6 |" in md
+    assert "Seeds differ between rows, each row's mean is over its own: ppo 0, 1; vc-ppo 0." in md
     assert (tmp_path / "out" / "ablation.png").stat().st_size > 0
     assert json.loads((tmp_path / "out" / "ablation.json").read_text())["table"]["ppo"]["seeds"] == 2
 
@@ -72,6 +74,24 @@ def test_a_run_whose_rows_are_not_every_step_in_order_is_refused_not_drawn_at_th
         ablation.main(args, [])
     metrics.write_text("\n".join(rows) + "\n")
     assert ablation.main(args, [])["curves"]["ppo"]["response_length/mean"].tolist() == [[100, 50, 60, 70]]
+
+
+@pytest.mark.parametrize("log, says", [
+    ("", "metrics.jsonl: no rows"),
+    ('{"step": 0, "response_length/mean": 100, "reward/accuracy": 0}\n{"step": 1, "resp', "its last line is cut short"),
+    ('{"step": 0, "response_length/mean": null, "reward/accuracy": 0}\n', "step 0 has response_length/mean None, not"),
+    ('{"step": 0, "response_length/mean": NaN, "reward/accuracy": 0}\n', "step 0 has response_length/mean nan, not"),
+    ('{"step": 0, "response_length/mean": 100}\n', "step 0 has reward/accuracy None, not a number"),
+    ('{"step": 0, "resp\n', "metrics.jsonl:1: not a metrics row"),
+])
+def test_a_damaged_metrics_log_is_named_in_one_line_not_a_traceback_nor_a_mean_over_fewer_seeds(tmp_path, log, says):
+    """An empty log gave `min() arg is an empty sequence`, a cut line a JSON error naming no file, a
+    null length a TypeError traceback, and a NaN one a mean over the other seeds, in silence."""
+    fake_run(tmp_path, "ppo", 0, 0.2, [100, 50])
+    (tmp_path / "ablation__ppo__seed0" / "metrics.jsonl").write_text(log)
+    args = ablation.Args(out=tmp_path / "out", out_dir=str(tmp_path), variants=("ppo",), seeds=(0,), read_only=True)
+    with pytest.raises(ValueError, match=re.escape(says)):
+        ablation.main(args, [])
 
 
 def test_the_json_is_strict_an_undefined_number_written_as_null(tmp_path):
