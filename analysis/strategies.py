@@ -116,7 +116,7 @@ def main(args: Args) -> dict:
     lines += [row(name, r) for name, r in reports.items()]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "strategies.md").write_text("\n".join(lines) + "\n")
-    (args.out / "strategies.json").write_text(json.dumps(reports, indent=1))
+    rundir.write_json(str(args.out / "strategies.json"), reports)  # an undefined accuracy as null, not NaN
     print("\n".join(lines))
     print(f"wrote {args.out}/strategies.md and .json")
     return reports
