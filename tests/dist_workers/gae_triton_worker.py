@@ -20,14 +20,17 @@ from test_gae import make_batch  # noqa: E402
 kernel = gae_fast.triton_kernel()
 kernel.BLOCK = 16  # a few dozen tokens then cross blocks (the interpreter is slow)
 result = {"equal": {}, "rejected": {}}
+per_row = torch.tensor([0.0, 0.5, 0.9, 1.0], dtype=torch.float64)
+# (lambda_actor, lambda_critic): VC-PPO's critic at 1.0, and below it (plain PPO's 0.95, one per
+# response), where the critic's targets bootstrap from V and decay as the advantages do.
 for length in (1, 16, 37):
-    for lam_actor in (0.0, 0.95, "per-row"):
+    for lam_actor, lam_critic in ((0.0, 1.0), (0.95, 1.0), ("per-row", 1.0), (0.95, 0.95), (0.9, "per-row")):
         rewards, values, mask = make_batch(4, length, seed=length)
-        lam = torch.tensor([0.0, 0.5, 0.9, 1.0], dtype=torch.float64) if lam_actor == "per-row" else lam_actor
-        want = gae.decoupled_gae(rewards, values, mask, 0.99, lam, 1.0)  # the compiled CPU loop
+        lams = [per_row if lam == "per-row" else lam for lam in (lam_actor, lam_critic)]
+        want = gae.decoupled_gae(rewards, values, mask, 0.99, *lams)  # the compiled CPU loop
         for name, m in (("float", mask), ("bool", mask.bool())):
-            got = kernel.lambda_returns(rewards, values, m, 0.99, lam, 1.0)
-            result["equal"][f"T={length} lam={lam_actor} mask={name}"] = max(
+            got = kernel.lambda_returns(rewards, values, m, 0.99, *lams)
+            result["equal"][f"T={length} lam={lam_actor},{lam_critic} mask={name}"] = max(
                 (g - w).abs().max().item() for g, w in zip(got, want))
 
 rewards, values, mask = make_batch(3, 20, seed=1)
@@ -51,7 +54,8 @@ launch = kernel.lambda_returns
 kernel.lambda_returns = lambda *args: calls.append(1) or launch(*args)
 got = gae.compute_gae(rewards, values, mask, 1.0, 0.9)
 result["dispatch_calls"] = len(calls)
-result["dispatch_error"] = (got[0] - gae.gae_reference(rewards, values, mask, 1.0, 0.9)[0]).abs().max().item()
+result["dispatch_error"] = max((g - w).abs().max().item()  # the advantages and the returns
+                               for g, w in zip(got, gae.gae_reference(rewards, values, mask, 1.0, 0.9)))
 try:
     gae.compute_gae(rewards, nan, mask, 1.0, 0.9)
     result["bad_input_message"] = None
