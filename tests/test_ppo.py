@@ -90,6 +90,9 @@ def one_token_policy_grad(ratio, advantage, **kwargs):
         (0.8 + 1e-3, -1.0, False, None),
         (0.5, 1.0, False, None),  # pessimistic side stays unclipped
         (2.0, -1.0, False, None),
+        # ...however far: the guard on the log-ratio (exp overflow, |log rho| <= 20) takes no gradient here
+        (math.exp(3.0), -1.0, False, None),
+        (math.exp(-3.0), 1.0, False, None),
     ],
 )
 def test_policy_clip_removes_the_gradient_exactly_outside_its_range(ratio, advantage, clipped, which):
@@ -243,6 +246,10 @@ def test_explained_variance_perfect_mean_only_padding_and_constant_returns():
     assert math.isnan(explained_variance(returns, torch.ones_like(returns), mask).item())
     assert math.isnan(explained_variance(returns, torch.full_like(returns, 0.1), mask).item())
     assert math.isnan(explained_variance(returns, torch.zeros_like(returns), mask).item())
+    # Nearly constant returns are not constant: a batch of 99 right answers and one wrong is defined.
+    skewed = torch.ones(1, 100)
+    skewed[0, 0] = -1.0
+    assert explained_variance(0.5 * skewed, skewed, torch.ones(1, 100)).item() == pytest.approx(0.75)
 
 
 @pytest.mark.parametrize(
