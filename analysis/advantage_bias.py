@@ -396,7 +396,7 @@ def markdown(r: BiasResult, paths: dict, gamma: float, seconds: dict) -> str:
             summary.append(f"| {LABELS[name]} | {lam:g} | {r.pearson[name][lam]:+.3f} | {adv[0]:+.3f} ± {2 * se:.3f} | "
                            f"{early:+.3f} ± {2 * early_se:.3f} | {all_mean:+.3f} | {r.values[name][0]:+.3f} |")
             signs.append(f"- {LABELS[name]}, lambda = {lam:g}: first-bin mean advantage {adv[0]:+.3f} "
-                         f"(all tokens {all_mean:+.3f}), against its response's mean {early:+.3f}: "
+                         f"(all tokens {all_mean:+.3f}), less its response's mean {early:+.3f}: "
                          f"{sign_sentence(adv[0], se, early, early_se)}.")
     names = list(r.values)
     head = ("| tokens t | n tokens | mean return | " + " | ".join(f"V {name}" for name in names)
