@@ -35,6 +35,15 @@ def test_length_ratio_and_recovery_read_the_moving_average():
         collapse.length_ratio([])
 
 
+def test_a_run_logged_before_the_advantage_by_quarter_was_is_read_without_it():
+    """A first row without `advantage/pos_bin*` (a run older than that metric) stopped collapse.py
+    with a KeyError traceback; the figure's panel now has nothing of that run to draw."""
+    rows = [{"step": i, "response_length/mean": 100.0, "reward/accuracy": 0.2} for i in range(3)]
+    run = collapse.measure_run({"seed": 0, "wall_s": None, "metrics": rows,
+                                "summary": {"sft": {"pass@1": 0.2}, "ppo": {"pass@1": 0.3}}})
+    assert run["first_step_advantage_by_quarter"] == [None] * 4 and run["final_acc"] == 0.3
+
+
 def test_recovery_counts_steps_from_the_trough_and_calibration_the_first_small_error():
     assert collapse.recovery_steps([100, 40, 100, 100, 100, 100, 100]) == 2  # moving averages 88, 88, 100
     assert collapse.calibration_steps([-1.4, -0.9, -0.3, -0.19, 0.5]) == 3
