@@ -220,6 +220,22 @@ def test_sample_prompts_and_stream_seeds_depend_only_on_seed_stream_and_step():
     assert all(0 <= s < 2**60 for s in seeds)  # fits torch.manual_seed and numpy's SeedSequence
 
 
+def test_each_rank_samples_every_world_size_th_prompt_of_the_global_draw(monkeypatch):
+    """Under torchrun the ranks split one global draw; a share taken by the wrong slice gave every rank
+    the same prompts (its tests ran in one process)."""
+    from types import SimpleNamespace
+
+    import fsdp_utils
+
+    records = [{"id": i} for i in range(100)]
+    cfg = SimpleNamespace(seed=0, prompts_per_step=8, samples_per_prompt=2)
+    prompts = [r["id"] for r in sample_prompts(records, cfg, 3, "ppo")[::2]]  # each prompt once, one process
+    monkeypatch.setattr(fsdp_utils, "world_size", lambda: 2)
+    for rank in (0, 1):
+        monkeypatch.setattr(fsdp_utils, "rank", lambda rank=rank: rank)
+        assert [r["id"] for r in sample_prompts(records, cfg, 3, "ppo")[::2]] == prompts[rank::2]
+
+
 @pytest.mark.parametrize("n_records, world", [(5, 2), (4, 2), (1, 3), (7, 1)])
 def test_each_held_out_record_is_evaluated_once_over_equal_rank_shares(n_records, world):
     """Under torchrun every rank makes the same number of generate calls (equal shares, padded),

@@ -69,6 +69,32 @@ def test_a_save_after_one_killed_between_its_renames_keeps_that_checkpoint_as_th
     assert [checkpoints.checkpoint_extra(c)["step"] for c in checkpoints.saved_checkpoints(path)] == [4, 3]
 
 
+def test_resume_restores_the_learning_rate_of_a_warm_up_and_the_optimizer_state(tmp_path):
+    """Every resume test ran at a constant learning rate (--lr-warmup-steps 0): a scheduler or an
+    optimizer learning rate left as built would have gone unseen. After 2 of 4 warm-up steps the rate
+    is 0.1 x 3/4."""
+    def built():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 1)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+        return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 4))
+
+    cfg = micro_config(tmp_path, "--resume")
+    model, optimizer, scheduler = built()
+    for _ in range(2):
+        model(torch.ones(2, 3)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+    rundir.save(cfg, str(tmp_path), 1, {"actor": model}, {"actor": optimizer}, [scheduler])
+    again, optimizer_again, scheduler_again = built()
+    assert rundir.resume(cfg, str(tmp_path), {"actor": again}, {"actor": optimizer_again}, [scheduler_again]) == 2
+    assert scheduler_again.get_last_lr() == scheduler.get_last_lr() == [pytest.approx(0.075)]
+    assert optimizer_again.param_groups[0]["lr"] == pytest.approx(0.075)
+    for p, q in zip(model.parameters(), again.parameters()):
+        assert p.equal(q) and optimizer.state[p]["exp_avg_sq"].equal(optimizer_again.state[q]["exp_avg_sq"])
+
+
 def test_a_first_save_killed_mid_write_is_no_checkpoint_to_resume_or_refuse_a_rerun_for(tmp_path):
     """A run killed while writing its first checkpoint leaves an incomplete checkpoint.tmp/ (no
     extra.pt, written last). That is not a checkpoint: its rerun without --resume starts, rather

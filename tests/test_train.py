@@ -564,6 +564,7 @@ def test_runs_that_differ_only_in_what_pretraining_never_reads_share_its_critic_
         assert key(*flags) == key(), flags
     assert key("--critic-init", "rm", "--orm-steps", "7") != key("--critic-init", "rm")
     assert key("--critic-lr", "1e-4") != key() and key("--seed", "3") != key()
+    assert key("--gamma", "0.9") != key() and key("--temperature", "0.7") != key()  # its targets, its samples
 
     cfg, other = micro_config(tmp_path, "--run-name", "r"), micro_config(tmp_path, "--run-name", "other")
     settings = value_pretrain.pretrain_settings(cfg)

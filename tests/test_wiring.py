@@ -280,6 +280,15 @@ def test_ppo_step_logs_the_truncated_share_the_prompt_length_and_the_mean_return
     assert metrics["critic/values_mean"] == pytest.approx(values[valid].mean().item(), abs=1e-5)
 
 
+def test_the_truncated_share_counts_the_responses_cut_not_the_longest(tokenizer, actor, records, monkeypatch):
+    """A response is cut when it ends at max_new_tokens without its EOS, whatever its length: the first,
+    short one here; the two longest end at their EOS."""
+    engine = ScriptedRollout(tokenizer, finish=["length", "stop", "stop", "stop", "stop", "stop"])
+    _, _, metrics = run_ppo_step(make_config(), actor, TokenValueCritic(len(tokenizer)), tokenizer, records,
+                                 monkeypatch, engine=engine)
+    assert metrics["response_length/clip_ratio"] == pytest.approx(1 / 6)
+
+
 def test_ppo_critic_update_uses_the_value_loss_clipped_around_the_old_values(
         tokenizer, actor, records, monkeypatch):
     """Eq. (2) with c = cfg.value_clip: 0.5 max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2),
@@ -642,6 +651,8 @@ def history(losses, evs):
     ([1.0] * 6, [0.5] * 3 + [NAN] * 3, True),  # a window without any: the loss alone decides
     ([1.0] * 3 + [0.9] * 3, [0.5] * 3 + [NAN] * 3, False),  # ... and it still falls
     ([1.0] * 6, [0.5] * 4 + [0.7, NAN], False),  # the defined EVs still rise
+    ([0.1] * 3 + [0.09] * 3, [0.5] * 6, False),  # rel_tol is relative: a 10% fall of a small loss...
+    ([100.0] * 3 + [99.0] * 3, [0.5] * 6, True),  # ... and a 1% fall of a large one
 ])
 def test_plateaued_needs_both_loss_and_explained_variance_flat_over_two_windows(losses, evs, expected):
     """value_pretrain's documented stop: over two consecutive windows the mean loss falls by less
