@@ -4,7 +4,8 @@
 An estimate from the model's shapes, not a measurement. A colocated step has two phases on the GPU:
 - rollout: vLLM is awake and takes `gpu_memory_utilization` of the GPU (its bf16 weights split
   by tensor parallelism, the rest KV cache); the trainer's sharded parameters and optimizer
-  states stay resident (gradients are freed), unless offloaded to CPU;
+  states stay resident (gradients are freed, and torch's cache is emptied before vLLM wakes:
+  `VLLMRollout.sync_weights`), unless offloaded to CPU;
 - training: vLLM sleeps at level 2 (holds nothing); actor and critic states are resident, plus
   the gradients, the layers FSDP gathers, and the activations of one micro-batch.
 Host memory per node is counted at loading (`checkpoints.load_pretrained`: each rank reads its own

@@ -195,14 +195,19 @@ class VLLMRollout:
         `model.load_weights` is not enough: vLLM repacks some weights after loading (its CPU
         linear kernels do) and reload redoes that per layer. A sleeping engine wakes in the only
         safe order after level-2 sleep: weights -> load -> KV cache (vLLM #29341, TRL #5142).
+        Before each wake, torch's allocator gives the GPU back the blocks it keeps cached (the
+        update's activations and gradients, the gathered buckets): vLLM maps its memory with the
+        driver, outside that cache, and would not find it free.
         """
         if self.asleep:
+            torch.cuda.empty_cache()
             self.llm.wake_up(tags=["weights"])
         dtype = self.llm.llm_engine.model_config.dtype  # cast the shards before gathering: less traffic
         weights = (pair for bucket in iter_full_weights(model, bucket_bytes, dtype) for pair in bucket)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
         self.llm.collective_rpc(_refresh_tied_head)
         if self.asleep:
+            torch.cuda.empty_cache()
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
         self.llm.reset_prefix_cache()  # cached prefixes hold the old weights' keys (vLLM #9744)

@@ -694,6 +694,37 @@ def test_memory_plan_a_node_holds_the_ranks_it_runs_and_a_part_filled_node_count
     assert MemoryPlan([("all of it", 1.0, 70.0)], capacity_gib=70.0, notes=[]).fits  # exactly full fits
 
 
+def test_a_sleeping_engine_gives_torchs_cached_gpu_memory_back_before_each_wake(monkeypatch):
+    """vLLM maps its weights and KV cache with the CUDA driver, outside torch's caching allocator: the
+    update's freed activations and gradients, still cached by torch, were not free for the wake, which
+    the memory plan counts on (--plan's rollout column has no training memory in it)."""
+    from types import SimpleNamespace
+
+    from support import vllm_rollout
+
+    events = []
+
+    class LLM:  # what sync_weights calls of vllm.LLM
+        llm_engine = SimpleNamespace(model_config=SimpleNamespace(dtype=torch.bfloat16))
+
+        def wake_up(self, tags):
+            events.append(f"wake {tags[0]}")
+
+        def collective_rpc(self, method, kwargs=None):
+            events.append(method if isinstance(method, str) else "refresh the tied head")
+
+        def reset_prefix_cache(self):
+            events.append("reset the prefix cache")
+
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("empty torch's cache"))
+    engine = object.__new__(vllm_rollout.VLLMRollout)  # an engine asleep, as on a GPU between rollouts
+    engine.llm, engine.asleep, engine.needs_weights = LLM(), True, False
+    engine.sync_weights(torch.nn.Linear(2, 2))
+    assert events == ["empty torch's cache", "wake weights", "reload_weights", "refresh the tied head",
+                      "empty torch's cache", "wake kv_cache", "reset the prefix cache"]
+    assert not engine.asleep
+
+
 def test_memory_plan_says_when_vllms_share_cannot_hold_its_weights_and_counts_no_kv_cache():
     """Qwen2.5-32B unsplit (tensor parallel 1) is ~61 GiB of bf16 weights, beyond a tenth of an H200:
     the plan says so, and its KV cache holds no tokens rather than a negative number of them."""
