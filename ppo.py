@@ -135,7 +135,10 @@ def aggregate_loss(per_token_loss, mask, mode="token-mean", normalizer=None):
 def kl_penalty(log_probs, ref_log_probs, kind="k3"):
     """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman, "Approximating KL
     divergence", 2020): k1 = log r, k2 = (log r)^2 / 2, k3 = (1/r - 1) + log r with r = pi/pi_ref.
-    k3 is unbiased and non-negative. Off by default in VC-PPO (no KL term)."""
+    k3 is unbiased and non-negative. Off by default in VC-PPO (no KL term).
+    Differentiated as a loss term on pi's own samples, their gradients differ from their values:
+    k1's is 0 in expectation (the score function's mean), k2's is the gradient of KL(pi || pi_ref),
+    k3's that of the reverse KL(pi_ref || pi) (GRPO's choice); so the trainer refuses k1 as a loss."""
     if kind not in _KL_KINDS:
         raise ValueError(f"kind must be one of {_KL_KINDS}, got {kind!r}")
     if log_probs.shape != ref_log_probs.shape:  # [B, T] against [B, 1] would broadcast, in silence

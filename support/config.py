@@ -149,7 +149,8 @@ class Config:
     kl_coef: float = 0.0
     """KL penalty to pi_SFT in the loss (VC-PPO: none)"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """KL estimator when kl_coef > 0"""
+    """KL estimator when kl_coef > 0: k3 (its gradient is that of KL(pi_SFT || pi), as in GRPO) or
+    k2 (that of KL(pi || pi_SFT)); k1 is refused, its gradient being 0 in expectation"""
     entropy_coef: float = 0.0
     """entropy bonus"""
     truncation_reward: float | None = -1.0
@@ -336,6 +337,9 @@ class Config:
             "value_clip": (self.value_clip is None or self.value_clip > 0, "> 0, or unset"),
             "max_grad_norm": (self.max_grad_norm > 0, "> 0"),
             "kl_coef": (self.kl_coef >= 0, ">= 0"),
+            "kl_estimator": (self.kl_estimator != "k1" or not self.kl_coef,
+                             "k2 or k3 with --kl-coef: as a loss term k1's gradient is 0 in expectation, noise "
+                             "only; k2's is that of KL(pi || pi_SFT), k3's that of KL(pi_SFT || pi)"),
             "entropy_coef": (self.entropy_coef >= 0, ">= 0"),
             "max_new_tokens": (self.max_new_tokens >= 1, ">= 1"),
             "temperature": (self.temperature > 0, "> 0"),

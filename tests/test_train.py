@@ -356,6 +356,7 @@ def test_value_pretraining_killed_mid_way_resumes_to_the_same_curve(out_dir, tmp
     ("--eval-every", "0"), ("--save-hf-every", "0"), ("--eval-temperature", "0"), ("--eval-max-new-tokens", "0"),
     ("--prompt-template", "{prompt}"), ("--val-data", "x.jsonl"), ("--val-answer-key", "answer"),  # need --data
     ("--dual-clip", "1.0"), ("--value-clip", "0"), ("--eval-fraction", "1.0"), ("--task-difficulty", "10 5"),
+    ("--kl-estimator", "k1 --kl-coef 0.1"),  # a loss term whose gradient is 0 in expectation
 ])
 def test_bad_config_values_fail_at_start_naming_the_field(flag, value):
     with pytest.raises(config.ConfigError, match=flag):
@@ -369,6 +370,8 @@ def test_values_at_the_edge_of_their_range_are_accepted_and_flags_that_need_anot
     cfg = config.parse_config(["--lam-actor", "0", "--lam-critic", "0", "--gamma", "0", "--truncation-reward", "0",
                                "--clip-low", "0", "--eval-fraction", "0.99", "--task-difficulty", "1", "1"])
     assert (cfg.lam_actor, cfg.lam_critic, cfg.truncation_reward, cfg.task_difficulty) == (0.0, 0.0, 0.0, (1, 1))
+    for estimator in ("k2", "k3"):  # the estimators whose gradients are a KL's (ppo.kl_penalty)
+        assert config.parse_config(["--kl-coef", "0.1", "--kl-estimator", estimator]).kl_estimator == estimator
     data = tmp_path / "train.jsonl"
     data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
     with_data = ["--model", "m", "--data", str(data)]
