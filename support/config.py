@@ -166,7 +166,8 @@ class Config:
     temperature: float = 1.0
     """sampling temperature (log-probs are recomputed at the same temperature)"""
     top_p: float = 1.0
-    """nucleus sampling"""
+    """nucleus sampling of the rollouts; below 1 the samples come from the nucleus while PPO's ratio is
+    taken on the whole distribution's log-probs, as in verl: slightly off-policy"""
     tensor_parallel_size: int = 1
     """vLLM tensor parallelism (each TP group sees the same prompts)"""
     gpu_memory_utilization: float = 0.5
