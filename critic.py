@@ -276,7 +276,8 @@ def prepare_orm(cfg, sft_path: str, sampler: Sampler, records: list[dict]) -> st
         orm_cfg = dataclasses.replace(cfg, seed=0)
         draw = lambda stream, i: sampler.sample_and_score(  # noqa: E731
             sample_prompts(records, orm_cfg, i, stream=stream), stream_seed(0, f"{stream}/sampling", i))
-        scored = [draw("orm", i) for i in tqdm(range(cfg.orm_batches), desc="ORM data", dynamic_ncols=True, leave=False)]
+        scored = [draw("orm", i) for i in tqdm(range(cfg.orm_batches), desc="ORM data", dynamic_ncols=True, leave=False,
+                                                   disable=not is_main())]
         # Sharded under torchrun like the critic, each rank training on its own samples, on the
         # device the engine put them on.
         model = load_value_model(sft_path, seed=stream_seed(0, "orm/head", 0), device=scored[0].batch.device,

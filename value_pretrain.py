@@ -154,9 +154,10 @@ def pretrain_value(cfg, critic, critic_optimizer, sampler: Sampler, records: lis
     ckpt, history = os.path.join(out_dir, "checkpoint"), []
     if cfg.resume and (restored := restore_latest(ckpt, {"critic": critic}, {"critic": critic_optimizer})):
         found, history = restored[0], restored[1]["history"]
-        tqdm.write(f"value pretraining: resumed from {found} at step {len(history)}")
+        if is_main():
+            tqdm.write(f"value pretraining: resumed from {found} at step {len(history)}")
     bar = tqdm(range(len(history), cfg.value_pretrain_steps), desc="value pretraining", dynamic_ncols=True,
-               initial=len(history), total=cfg.value_pretrain_steps)
+               initial=len(history), total=cfg.value_pretrain_steps, disable=not is_main())
     with preemption.deferred():  # a signal ends the step, saves and stops (preemption.py)
         for step in bar:
             try:
@@ -164,8 +165,9 @@ def pretrain_value(cfg, critic, critic_optimizer, sampler: Sampler, records: lis
             except FloatingPointError as err:  # a diverged critic: say when
                 raise FloatingPointError(f"value pretraining step {step}: {err}") from None
             bar.set_postfix(loss=f"{row['value_loss']:.4f}", ev=f"{row['explained_variance']:.3f}")
-            if plateaued(history, cfg.plateau_window, cfg.plateau_rel_tol, cfg.plateau_ev_tol):
-                tqdm.write(f"value pretraining: converged at step {step} (loss and EV plateaued)")
+            if plateaued(history, cfg.plateau_window, cfg.plateau_rel_tol, cfg.plateau_ev_tol):  # over all ranks' rows
+                if is_main():
+                    tqdm.write(f"value pretraining: converged at step {step} (loss and EV plateaued)")
                 break
             preempted = preemption.requested()
             if preempted or (step + 1) % cfg.save_every == 0:

@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_s
 from torch.distributed.tensor import DTensor, Shard
 from tqdm import tqdm
 
-from fsdp_utils import any_rank, barrier, is_main, local_device, rank, shard_model, world_size
+from fsdp_utils import any_rank, barrier, from_main, is_main, local_device, rank, shard_model, world_size
 
 # DCP warns on every save/load in a single process; that is this project's everyday case.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -208,11 +208,19 @@ def save_checkpoint(path: str, models: dict, optimizers: dict, extra: dict) -> N
         model_sd, optim_sd = get_state_dict(model, optimizers[name])
         state[name] = {"model": model_sd, "optim": optim_sd}
     tmp = path + ".tmp"
-    if is_main():
+
+    def clear_tmp():
         if not os.path.exists(path) and os.path.exists(os.path.join(tmp, "extra.pt")):
             os.replace(tmp, path)  # a save killed between its renames: tmp is the newest checkpoint, keep it
         shutil.rmtree(tmp, ignore_errors=True)  # an incomplete one must not mix with this save's files
-    barrier()
+
+    def rotate():
+        if os.path.exists(path):
+            shutil.rmtree(path + ".old", ignore_errors=True)  # half deleted by a kill: path is newer
+            os.replace(path, path + ".old")
+        os.replace(tmp, path)
+
+    _on_main(clear_tmp, f"cannot save a checkpoint to {path}")
     failure = None
     try:
         dcp.save(state, checkpoint_id=tmp)
@@ -227,12 +235,22 @@ def save_checkpoint(path: str, models: dict, optimizers: dict, extra: dict) -> N
         failure = err
     if any_rank(failure is not None):  # every rank stops, not only the one whose write failed
         _give_up_write(f"cannot save a checkpoint to {path}", tmp, failure)
+    _on_main(rotate, f"cannot rename the checkpoint saved in {tmp} to {path}")
+
+
+def _on_main(work, what: str) -> None:
+    """work() (renames, removals) on rank 0 alone, then a barrier; an OSError there raises CheckpointError
+    on every rank, not on rank 0 alone with the others waiting or crashing on a closed connection. The
+    files are left as they are: a resume takes the newest complete checkpoint among them."""
+    failure = None
     if is_main():
-        if os.path.exists(path):
-            shutil.rmtree(path + ".old", ignore_errors=True)  # half deleted by a kill: path is newer
-            os.replace(path, path + ".old")
-        os.replace(tmp, path)
-    barrier()
+        try:
+            work()
+        except OSError as err:
+            failure = err
+    if any_rank(failure is not None):  # an all-reduce: every rank waits here, as at a barrier
+        reason = "it failed on rank 0" if failure is None else _os_reason(failure) or _reason(failure)
+        raise CheckpointError(f"{what}: {reason}")
 
 
 def _give_up_write(what: str, tmp: str, failure: BaseException | None) -> None:
@@ -307,7 +325,7 @@ def restore_latest(path: str, models: dict, optimizers: dict) -> tuple[str, dict
     (where, its extras), or None if none was ever saved. Each damaged newer one is said and set
     aside as <name>.damaged, so that the next save keeps the one restored as `path.old`."""
     def load(candidate):
-        check_checkpoint(candidate)
+        _on_every_rank(check_checkpoint, candidate)  # before DCP's collectives, which every rank must enter
         return load_checkpoint(candidate, models, optimizers)  # a failed load is undone by the next one's
 
     return _newest(path, load, set_aside=True)
@@ -315,11 +333,13 @@ def restore_latest(path: str, models: dict, optimizers: dict) -> tuple[str, dict
 
 def _newest(path: str, read, set_aside: bool = False) -> tuple[str, object] | None:
     """(the newest of `saved_checkpoints(path)` that `read` takes without CheckpointError, what it
-    returned); None if there is none; CheckpointError naming each one's damage if none reads."""
+    returned); None if there is none; CheckpointError naming each one's damage if none reads.
+    Every rank takes the same one: the candidates are rank 0's, and one that fails on any rank (a
+    node whose view of a shared filesystem lags) is passed over by all, not loaded beside another."""
     damaged = []
-    for candidate in saved_checkpoints(path):
+    for candidate in from_main(saved_checkpoints(path)):
         try:
-            result = read(candidate)
+            result = _on_every_rank(read, candidate)
         except CheckpointError as err:
             damaged.append((candidate, str(err)))
             continue
@@ -334,6 +354,18 @@ def _newest(path: str, read, set_aside: bool = False) -> tuple[str, object] | No
         raise CheckpointError(f"{'; '.join(reason for _, reason in damaged)}; no earlier checkpoint to fall back "
                               f"to (run with --overwrite instead of --resume to start again from step 0)")
     return None
+
+
+def _on_every_rank(read, candidate: str):
+    """read(candidate); CheckpointError on every rank when it raised one on any (the others' message:
+    that it failed on another rank), so that all ranks go on to the same next candidate."""
+    try:
+        result, failure = read(candidate), None
+    except CheckpointError as err:
+        result, failure = None, err
+    if any_rank(failure is not None):
+        raise CheckpointError(str(failure) if failure else f"{candidate}: did not read back on another rank")
+    return result
 
 
 class CheckpointError(RuntimeError):

@@ -337,7 +337,8 @@ def prepare_sft(cfg) -> str:
             (Path(staging) / "sft_summary.json").write_text(json.dumps({**summary, "out_dir": str(path)}, indent=2))
 
     built = build_once(str(path), sft_settings(wanted), build, owner=cfg.run_name, remedy="delete it to train a new one")
-    print(f"SFT: {'saved to' if built else 'reusing'} {path}")  # the final name, not the staging one
+    if is_main():
+        print(f"SFT: {'saved to' if built else 'reusing'} {path}")  # the final name, not the staging one
     return str(path)
 
 

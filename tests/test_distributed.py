@@ -53,6 +53,22 @@ def test_sharded_checkpoint_resumes_to_identical_weights_and_optimizer_state(fsd
 
 
 @pytest.mark.slow
+def test_a_rank_0_rename_failure_stops_every_rank_and_all_ranks_resume_from_one_checkpoint(fsdp_run):
+    """Rank 0 alone cannot rename a complete save into place: every rank raises CheckpointError (rank 1
+    used to wait at the barrier after it and die on a closed connection), and the save is kept as
+    checkpoint.tmp. Rank 1 alone finds that one damaged: both pass it over for checkpoint.old (each
+    used to take its own pick, and DCP loaded the shards of two steps into one model)."""
+    ckpt = f"{fsdp_run['out_dir']}/checkpoint"
+    assert fsdp_run["save_rename_fails"] == (f"cannot rename the checkpoint saved in {ckpt}.tmp to {ckpt}: "
+                                             f"Input/output error")
+    assert fsdp_run["rank1"]["save_rename_fails"] == (f"cannot rename the checkpoint saved in {ckpt}.tmp to "
+                                                      f"{ckpt}: it failed on rank 0")
+    for rank in (fsdp_run, fsdp_run["rank1"]):
+        assert rank["left_after_rename"] == ["checkpoint.tmp", "checkpoint.old"]
+        assert rank["resumed_after_damage"] == ["checkpoint.old", 2]
+
+
+@pytest.mark.slow
 def test_whitening_and_metrics_cover_every_ranks_rows(fsdp_run):
     r = fsdp_run["stats"]
     assert r["whiten_max_diff"] <= 1e-5  # global mean and std, not each rank's own

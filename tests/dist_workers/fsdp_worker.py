@@ -4,7 +4,9 @@
    unsharded process on the whole batch: loss and updated weights, actor and critic, both loaded
    sharded from the actor's checkpoint as train.py loads them.
 2. A sharded checkpoint written on both ranks resumes to the same weights and optimizer state,
-   and the next step from it matches the next step of the run that wrote it.
+   and the next step from it matches the next step of the run that wrote it. A rename that fails on
+   rank 0 alone stops both ranks; a checkpoint that fails to read back on rank 1 alone is passed
+   over by both, which resume from the same one before it.
 3. `export_hf_checkpoint` of the sharded actor loads in Hugging Face as the same weights; a full
    disk on rank 0 stops both ranks with its cause.
 4. Advantage whitening and logged metrics over the two ranks' rows equal those of one process.
@@ -20,6 +22,7 @@
 Each rank writes rank<r>.json into argv[1]; the test asserts on the numbers.
 """
 
+import errno
 import os
 import sys
 
@@ -158,6 +161,39 @@ result["resume"] = {
 step(model, opt, mine)
 step(resumed, resumed_opt, mine)
 result["resume"]["next_step_max_diff"] = max_diff(full_state(resumed), full_state(model))
+
+# Rank 0's last rename of a complete save fails (a lost mount): both ranks raise, the save stays in
+# checkpoint.tmp beside checkpoint.old. Then rank 1 alone finds checkpoint.tmp damaged (a node whose
+# view of the filesystem lags): both must resume from checkpoint.old, not each from its own pick.
+save_checkpoint(ckpt, {"actor": model}, {"actor": opt}, {"step": 2})
+real_replace, real_check = os.replace, support.checkpoints.check_checkpoint
+
+
+def replace_failing_from_tmp(src, dst):
+    if str(src).endswith(".tmp"):
+        raise OSError(errno.EIO, os.strerror(errno.EIO), src)
+    real_replace(src, dst)
+
+
+def check_seeing_tmp_damaged(path):
+    if path.endswith(".tmp"):
+        raise CheckpointError(f"{path} lacks __0_0.distcp")
+    return real_check(path)
+
+
+os.replace = replace_failing_from_tmp if info.rank == 0 else real_replace
+try:
+    save_checkpoint(ckpt, {"actor": model}, {"actor": opt}, {"step": 3})
+    result["save_rename_fails"] = "no error"
+except CheckpointError as err:
+    result["save_rename_fails"] = str(err)
+os.replace = real_replace
+result["left_after_rename"] = [os.path.basename(p) for p in support.checkpoints.saved_checkpoints(ckpt)]
+if info.rank == 1:
+    support.checkpoints.check_checkpoint = check_seeing_tmp_damaged
+found, extra = support.checkpoints.restore_latest(ckpt, {"actor": resumed}, {"actor": resumed_opt})
+support.checkpoints.check_checkpoint = real_check
+result["resumed_after_damage"] = [os.path.basename(found), extra["step"]]
 
 # 3. Export the sharded actor as a Hugging Face checkpoint (several shard files).
 export = os.path.join(out_dir, "hf_export")
