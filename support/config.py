@@ -385,6 +385,12 @@ class Config:
             "overwrite": (not (self.overwrite and self.resume), "unset with --resume"),
             "threads": (self.threads is None or self.threads >= 1, ">= 1, or unset"),
             "sft_steps": (self.sft_steps is None or self.sft_steps >= 1, ">= 1, or unset"),
+            # A run's own directory as --out-dir would put runs and caches inside it, where its
+            # --overwrite or a resume's clean-up (a run named checkpoint) deletes them.
+            "out_dir": (not os.path.isfile(os.path.join(self.out_dir, "config.json")),
+                        f"the folder that holds runs, not a run's directory (it holds config.json): for that run, "
+                        f"--out-dir {os.path.dirname(os.path.abspath(self.out_dir))} "
+                        f"--run-name {os.path.basename(os.path.abspath(self.out_dir))}"),
             # A directory of its own under out_dir; _shared holds the caches (pi_SFT, ORM).
             "run_name": (self.run_name is None or (self.run_name not in ("", ".", "..", "_shared")
                                                    and os.sep not in self.run_name),

@@ -375,11 +375,17 @@ def test_values_at_the_edge_of_their_range_are_accepted_and_flags_that_need_anot
     data = tmp_path / "train.jsonl"
     data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
     with_data = ["--model", "m", "--data", str(data)]
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.json").write_text("{}")
+    assert config.parse_config(["--out-dir", str(tmp_path)]).out_dir == str(tmp_path)  # the folder of runs
     assert config.parse_config([*with_data, "--prompt-template", "Solve: {prompt}"]).data == str(data)
     for argv, refusal in [
         (["--data", str(data)], r"--data = .* \(must be .*with --model: the built-in pi_SFT knows only"),
         ([*with_data, "--prompt-template", "Solve it."], r"--prompt-template = 'Solve it.' \(must be a text holding"),
         ([*with_data, "--task-difficulty", "2", "3"], r"--task-difficulty = \(2, 3\) \(must be .* and no --data"),
+        # a run's own directory: runs inside it would be deleted by its --overwrite (a run named checkpoint)
+        (["--out-dir", str(tmp_path / "run")], rf"--out-dir = .* \(must be the folder that holds runs, not a run's "
+                                               rf"directory .*: for that run, --out-dir {tmp_path} --run-name run\)"),
     ]:
         with pytest.raises(config.ConfigError, match=refusal):
             config.parse_config(argv)
