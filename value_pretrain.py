@@ -36,8 +36,8 @@ from gae import compute_gae
 from support.masked import check_masked_inputs
 from ppo import explained_variance
 from ppo_update import assert_finite, micro_batched_forward, update_model
-from support.rundir import (MAY_CHANGE, STAGE_SETTINGS, build_shared, check_stage, input_files, json_safe,
-                            read_json, shared_path, staging_path)
+from support.rundir import (MAY_CHANGE, STAGE_SETTINGS, build_shared, check_link, check_stage, input_files,
+                            json_safe, read_json, shared_path, staging_path)
 from sampling import Sampler
 
 # Settings that act only after value pretraining (PPO's own, and the run's name).
@@ -185,8 +185,15 @@ def pretrain_value(cfg, critic, critic_optimizer, sampler: Sampler, records: lis
 def check_rerun(cfg) -> None:
     """Stop a rerun without --resume or --overwrite of a run stopped in value pretraining, as
     rundir.check stops one stopped in PPO: it would pretrain again from step 0, and its saves would
-    replace the checkpoint (hours of pretraining at 32B). Checked before the run directory is written."""
-    if cfg.resume or cfg.overwrite or cfg.estimator != "gae" or not cfg.value_pretrain_steps:
+    replace the checkpoint (hours of pretraining at 32B); and any run whose link to its pretrained
+    critic points to none, or to one of other settings (`rundir.check_link`, as `build_shared` checks it
+    later). Checked before the run directory is written, so a refused command leaves it as it was."""
+    if cfg.estimator != "gae" or not cfg.value_pretrain_steps:
+        return
+    link = os.path.join(cfg.out_dir, cfg.run_name, "value_pretrain")
+    if any_rank(os.path.lexists(link)):  # the settings read --model's and --data's files: only when linked
+        check_link(link, pretrain_settings(cfg))
+    if cfg.resume or cfg.overwrite:
         return
     leftovers = staging_path(os.path.join(glob.escape(cfg.out_dir), "_shared", "value_pretrain", "*"),
                              glob.escape(cfg.run_name))

@@ -502,9 +502,20 @@ def check_settings(where: str, stored: dict, wanted: dict, ignore=(), remedy: st
     old, new = one_key_as_text(stored), one_key_as_text(wanted)  # recorded as text before, or as a list
     diff = sorted(k for k in new if k not in ignore and old.get(k) != new[k])
     if diff:
-        shown = ", ".join(f"--{k.replace('_', '-')} {stored[k]!r} -> {wanted[k]!r}" if k in stored
-                          else f"--{k.replace('_', '-')} (not recorded) -> {wanted[k]!r}" for k in diff)
+        shown = ", ".join(_difference(k, stored, wanted) for k in diff)
         raise ConfigError(f"{where} was made with other settings ({shown}); {remedy}")
+
+
+def _difference(key: str, stored: dict, wanted: dict) -> str:
+    """One setting's difference, as a flag; input_files (not a flag) by the files that changed."""
+    if key not in stored:
+        return f"--{key.replace('_', '-')} (not recorded) -> {wanted[key]!r}"
+    if key == "input_files" and isinstance(stored[key], dict) and isinstance(wanted[key], dict):
+        old, new = stored[key], wanted[key]
+        changed = [f"{path} {'changed' if path in old and path in new else 'added' if path in new else 'gone'}"
+                   for path in sorted(old.keys() | new.keys()) if old.get(path) != new.get(path)]
+        return f"the input files ({', '.join(changed)})"
+    return f"--{key.replace('_', '-')} {stored[key]!r} -> {wanted[key]!r}"
 
 
 def positions_needed(cfg: Config) -> int:

@@ -265,12 +265,7 @@ def build_shared(cfg, link: str, settings: dict, build, shared: str | None = Non
     A run resumed at another world size keeps the stage it linked (PPO restores the critic from
     its own checkpoint; `resume` notes that the rest samples differently). `shared`: where to build it
     instead, a stage whose settings.json may record more settings than `settings` (an older key)."""
-    if os.path.islink(link) and not os.path.exists(link):
-        raise ConfigError(f"{link} points to {os.readlink(link)}, which is gone; delete the link to build it again")
-    # Every rank looks before rank 0 links it (below): a rank that looked after it would skip the
-    # barrier the others wait in, and train on alone (a deadlock).
-    if fsdp_utils.any_rank(os.path.lexists(link)):  # linked by an earlier start of this run
-        check_stage(link, settings, ignore=("world_size",))
+    if check_link(link, settings):  # linked by an earlier start of this run
         return False
     shared = shared or shared_path(cfg, os.path.basename(link), settings)
     os.makedirs(os.path.dirname(shared), exist_ok=True)
@@ -279,6 +274,19 @@ def build_shared(cfg, link: str, settings: dict, build, shared: str | None = Non
         os.symlink(os.path.relpath(shared, os.path.dirname(link)), link)
     fsdp_utils.barrier()
     return built
+
+
+def check_link(link: str, settings: dict) -> bool:
+    """Whether a run's `link` to a shared stage is there (on any rank), once checked: ConfigError when
+    the stage it points to is gone, or was built with other `settings` than this run's."""
+    if os.path.islink(link) and not os.path.exists(link):
+        raise ConfigError(f"{link} points to {os.readlink(link)}, which is gone; delete the link to build it again")
+    # Every rank looks before rank 0 links it (build_shared): a rank that looked after it would skip the
+    # barrier the others wait in, and train on alone (a deadlock).
+    if not fsdp_utils.any_rank(os.path.lexists(link)):
+        return False
+    check_stage(link, settings, ignore=("world_size",))
+    return True
 
 
 def shared_path(cfg, name: str, settings: dict) -> str:

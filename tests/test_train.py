@@ -526,6 +526,26 @@ def test_runs_that_differ_only_after_value_pretraining_share_the_pretrained_crit
         train.main(micro_config(out_dir, "--run-name", "shared-c", "--seed", "1", *flags))
 
 
+def test_a_rerun_refused_for_its_value_pretraining_link_leaves_the_run_directory_as_it_was(out_dir, sft):
+    """The run's link to its pretrained critic is checked before config.json is written again: a
+    link whose stage is gone (a run directory moved without _shared) or a stage of other settings
+    stops the rerun, and config.json still holds the settings the run was made with."""
+    flags = ["--run-name", "relinked", "--value-pretrain-steps", "1"]
+    train.main(micro_config(out_dir, *flags, "--steps", "0"))
+    run_dir = out_dir / "relinked"
+    made_with = (run_dir / "config.json").read_bytes()
+    other = out_dir / "_shared" / "elsewhere"
+    other.mkdir()
+    (other / "settings.json").write_text(json.dumps({"critic_lr": 1.0}))
+    for target, refusal in [(out_dir / "gone", r"value_pretrain points to .*gone, which is gone"),
+                            (other, r"value_pretrain was made with other settings \(.*--critic-lr 1\.0 -> ")]:
+        (run_dir / "value_pretrain").unlink()
+        (run_dir / "value_pretrain").symlink_to(target)
+        with pytest.raises(config.ConfigError, match=refusal):
+            train.main(micro_config(out_dir, *flags, "--steps", "1"))
+        assert (run_dir / "config.json").read_bytes() == made_with  # not rewritten with --steps 1
+
+
 def test_a_stage_two_runs_build_at_once_keeps_the_first_and_a_broken_link_is_named(tmp_path):
     path, settings = tmp_path / "stage", {"x": 1}
 
@@ -1010,6 +1030,12 @@ def test_a_settings_refusal_names_every_changed_setting_as_a_flag():
         config.check_settings("here", {**wanted, "field_3": -3, "field_5": -5, "field_6": -6}, {**wanted, "new_one": 1})
     assert str(refusal.value) == ("here was made with other settings (--field-3 -3 -> 3, --field-5 -5 -> 5, "
                                   "--field-6 -6 -> 6, --new-one (not recorded) -> 1); delete it")
+    # The digests of the model's and data's files (not a flag) are named by the files that differ.
+    with pytest.raises(config.ConfigError) as refusal:
+        config.check_settings("here", {"input_files": {"m/w": "1", "d.jsonl": "2", "v.jsonl": "3"}},
+                              {"input_files": {"m/w": "1", "d.jsonl": "9", "w.jsonl": "4"}})
+    assert str(refusal.value) == ("here was made with other settings (the input files (d.jsonl changed, v.jsonl gone, "
+                                  "w.jsonl added)); delete it")
 
 
 def test_a_tuple_setting_matches_the_list_it_was_stored_as(tmp_path):
