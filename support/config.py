@@ -500,10 +500,24 @@ def check_settings(where: str, stored: dict, wanted: dict, ignore=(), remedy: st
     differ. The message names every difference, as a flag."""
     wanted = json.loads(json.dumps(wanted))  # as it was stored: a tuple flag reads back as a list
     old, new = one_key_as_text(stored), one_key_as_text(wanted)  # recorded as text before, or as a list
+    old, new = _paths_resolved(old), _paths_resolved(new)
     diff = sorted(k for k in new if k not in ignore and old.get(k) != new[k])
     if diff:
         shown = ", ".join(_difference(k, stored, wanted) for k in diff)
         raise ConfigError(f"{where} was made with other settings ({shown}); {remedy}")
+
+
+PATH_FLAGS = ("model", "data", "val_data")
+
+
+def _paths_resolved(settings: dict) -> dict:
+    """`settings` with the paths of PATH_FLAGS as absolute paths, links resolved: models/m, ./models/m/
+    and /home/me/models/m name one model (a relative path taken from where the command runs)."""
+    def resolved(path):
+        return os.path.realpath(path) if isinstance(path, str) else path
+
+    return settings | {k: [resolved(p) for p in v] if isinstance(v, list) else resolved(v)
+                       for k, v in settings.items() if k in PATH_FLAGS}
 
 
 def _difference(key: str, stored: dict, wanted: dict) -> str:

@@ -129,7 +129,8 @@ def check_settings_of(cfg: Config) -> str:
     saved = os.path.join(run_dir, "config.json")
     if os.path.exists(saved):
         check_settings(run_dir, read_json(saved, "restore it or choose another --run-name"), dataclasses.asdict(cfg),
-                       ignore=MAY_CHANGE, remedy="choose another --run-name or delete it")
+                       ignore=MAY_CHANGE, remedy="give the settings in its config.json, choose another --run-name, "
+                                                 "or delete it")
     elif reused := [name for name in REUSED if os.path.exists(os.path.join(run_dir, name))]:
         raise ConfigError(f"{run_dir} holds {', '.join(reused)} but no config.json, the settings "
                          f"{'they were' if len(reused) > 1 else 'it was'} made with; choose another --run-name or "

@@ -1038,6 +1038,18 @@ def test_a_settings_refusal_names_every_changed_setting_as_a_flag():
                                   "w.jsonl added)); delete it")
 
 
+def test_a_path_spelt_another_way_is_the_same_setting_and_another_path_is_not(tmp_path, monkeypatch):
+    """A run started with relative paths resumes with absolute ones (or ./m/): the same files."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models" / "m").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "models")
+    stored = {"model": "models/m", "data": "data/*.parquet", "val_data": ["v.jsonl"]}
+    config.check_settings("here", stored, {"model": f"{tmp_path}/link/m/", "data": "./data/*.parquet",
+                                           "val_data": (str(tmp_path / "v.jsonl"),)})  # no refusal
+    with pytest.raises(config.ConfigError, match=r"\(--model 'models/m' -> 'models/other'\)"):
+        config.check_settings("here", stored, {**stored, "model": "models/other"})
+
+
 def test_a_tuple_setting_matches_the_list_it_was_stored_as(tmp_path):
     rundir.write_json(str(tmp_path / "s.json"), {"task_difficulty": (46, 52)})
     stored = json.loads((tmp_path / "s.json").read_text())
