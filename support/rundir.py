@@ -159,7 +159,7 @@ def check(cfg: Config) -> str:
     if cfg.resume and (found := checkpoints.latest_checkpoint(os.path.join(run_dir, "checkpoint"))):
         step = checkpoints.checkpoint_extra(found)["step"]
         if step + 1 > cfg.steps:
-            raise ConfigError(f"{found} is at step {step}, past --steps {cfg.steps}")
+            raise ConfigError(f"{found} is at step {step}: {step + 1} trained, more than --steps {cfg.steps}")
         if os.path.exists(logged):
             logged_rows(logged)
     return run_dir

@@ -184,7 +184,7 @@ def test_data_cut_short_is_reported_where_and_its_corrected_rerun_runs(out_dir, 
 
 def test_refused_resume_leaves_the_run_directory_byte_for_byte(out_dir, first_run):
     refused(out_dir, "--run-name", "first", "--steps", "0", "--resume", "--max-new-tokens", "1",
-            "--value-pretrain-steps", "1", match=r"first/checkpoint is at step 0, past --steps 0")
+            "--value-pretrain-steps", "1", match=r"first/checkpoint is at step 0: 1 trained, more than --steps 0")
 
 
 def test_a_rerun_with_other_settings_names_every_changed_flag(out_dir, first_run):

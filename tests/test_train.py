@@ -448,7 +448,7 @@ def test_a_run_directory_or_cache_made_with_other_settings_is_not_reused(tmp_pat
 
 def test_unreadable_checkpoint_and_diverged_model_stop_with_a_message(out_dir, sft):
     train.main(micro_config(out_dir, "--run-name", "corrupt", "--steps", "1", "--value-pretrain-steps", "0"))
-    with pytest.raises(config.ConfigError, match="corrupt/checkpoint is at step 0, past --steps 0"):
+    with pytest.raises(config.ConfigError, match=r"corrupt/checkpoint is at step 0: 1 trained, more than --steps 0"):
         train.main(micro_config(out_dir, "--run-name", "corrupt", "--steps", "0", "--value-pretrain-steps", "0",
                                 "--resume"))
     shard = next((out_dir / "corrupt" / "checkpoint").glob("*.distcp"))
