@@ -16,7 +16,9 @@ import dataclasses
 import time
 
 import torch
+from tqdm import tqdm
 
+from fsdp_utils import is_main
 from rollout import RolloutBatch, decode_responses
 from reward import Grader, response_outcomes, terminal_rewards
 
@@ -42,6 +44,8 @@ class Sampler:
     engine: object
     tokenizer: object
     grader: Grader
+    # Notes said once a run, shared with the copies `dataclasses.replace` makes (evaluate.eval_sampler).
+    notes_given: set = dataclasses.field(default_factory=set)
 
     def sample_and_score(self, prompts: list[dict], seed: int) -> ScoredBatch:
         """One response per prompt record (`prompt_ids`, `answer`), sampled with `seed`, and graded."""
@@ -56,5 +60,13 @@ class Sampler:
         outcomes = response_outcomes(verdicts, batch.truncated, cfg.truncation_reward)
         token_rewards = terminal_rewards(outcomes, batch.response_mask)
         seconds = {"rollout": generated - start, "reward": time.perf_counter() - generated}
+        # A user's prompts that ask for '#### answer' (verl's GSM8K) or for nothing: every reward -1.
+        if (getattr(cfg, "data", None) and "missing_box" not in self.notes_given and len(texts) >= 8
+                and graded.num_missing_box >= 0.9 * len(texts)):
+            self.notes_given.add("missing_box")
+            if is_main():
+                tqdm.write(f"note: {graded.num_missing_box} of {len(texts)} responses hold no \\boxed{{...}}, the only "
+                           f"answer the grader reads (scored -1): ask for one in the prompt (--prompt-template "
+                           f"'{{prompt}} ... put your final answer within \\boxed{{}}.')")
         return ScoredBatch(batch, texts, outcomes, token_rewards, graded.num_timeouts, graded.num_missing_box,
                            seconds)

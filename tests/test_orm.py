@@ -1,5 +1,6 @@
 """critic.py's outcome reward model (training, scoring) and sampling.py's outcomes on the last token."""
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -210,6 +211,34 @@ def test_sample_and_score_puts_the_outcome_on_the_last_valid_token_and_scores_cu
         assert (scored.token_rewards[b, : length - 1] == 0).all() and (scored.token_rewards[b, length:] == 0).all()
     assert (scored.grader_timeouts, scored.missing_box) == (2, 1)
     assert scored.texts[0] == " ".join(map(str, batch.response_ids[0, : batch.lengths[0]].tolist()))
+
+
+def test_a_users_run_whose_responses_hold_no_box_is_told_once(capsys):
+    """The grader reads only a \\boxed{} answer: where 90% of a batch of users' data holds none (verl's
+    GSM8K prompts ask for '#### answer'), one note says so, for the sampler and its evaluation copy."""
+    from evaluate import eval_sampler
+    from support.config import Config
+
+    batch, _ = _synthetic_batch(seed=5, batch_size=8)
+    records = [{"prompt_ids": [3], "answer": "1"}] * 8
+
+    class NoBoxGrader(FixedGrader):
+        def grade(self, responses, answers):
+            return GradeResult(outcomes=list(self.outcomes), num_timeouts=0, num_missing_box=self.missing)
+
+    def notes(data, missing):
+        cfg = dataclasses.replace(Config(), data=data)
+        grader = NoBoxGrader([-1.0] * 8)
+        grader.missing = missing
+        sampler = Sampler(cfg, FixedRollout(batch), DigitTokenizer(), grader)
+        for s in (sampler, eval_sampler(sampler), sampler):
+            s.sample_and_score(records, seed=0)
+        return [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
+
+    said = notes("train.jsonl", missing=8)
+    assert len(said) == 1 and said[0].startswith("note: 8 of 8 responses hold no \\boxed{...}, the only answer")
+    assert notes("train.jsonl", missing=7) == []  # 7 of 8: below 90%
+    assert notes(None, missing=8) == []  # the built-in task: a pi_SFT not yet trained to box, no prompt to change
 
 
 def test_sample_and_score_samples_with_the_runs_settings_and_the_given_seed():
