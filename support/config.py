@@ -346,8 +346,9 @@ class Config:
             "temperature": (self.temperature > 0, "> 0"),
             "top_p": (0.0 < self.top_p <= 1.0, "in (0, 1]"),
             "data": (self.data is None or (self.model is not None and not no_data),
-                     "a file, a folder of .json/.jsonl/.parquet files or a glob matching files, with --model: "
-                     "the built-in pi_SFT knows only the built-in task" + no_data),
+                     "a file, a folder of .json/.jsonl/.parquet files or a glob matching files"
+                     + (", with --model: the built-in pi_SFT knows only the built-in task" if self.model is None
+                        else "") + no_data),
             "val_data": (self.val_data is None or (self.data is not None and bool(self.val_data) and not no_val_data),
                          "files, folders or globs matching files, with --data" + no_val_data),
             "val_prompt_key": self._per_val_set("val_prompt_key"),
