@@ -115,7 +115,8 @@ class Config:
     steps: int = 30
     """PPO steps"""
     prompts_per_step: int = 32
-    """prompts per rollout batch"""
+    """prompts per rollout batch, drawn with replacement from the training prompts, seeded by the step,
+    not in shuffled epochs as verl and TRL go: a step may repeat a prompt, and a run need not see every one"""
     samples_per_prompt: int = 2
     """responses per prompt (GRPO needs >= 2)"""
     ppo_epochs: int = 1

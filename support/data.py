@@ -571,8 +571,10 @@ def stream_seed(seed: int, stream: str, step: int) -> int:
 def sample_prompts(records: list[dict], cfg, step: int, stream: str) -> list[dict]:
     """This rank's prompts for one step, each repeated `samples_per_prompt` times side by side.
 
-    A function of (seed, stream, step) only, so a resumed run draws the same prompts. Under
-    torchrun the global batch of `prompts_per_step` prompts is split evenly across ranks.
+    Drawn with replacement, not in shuffled epochs as verl and TRL go (every result table was made
+    so): a step may repeat a prompt. A function of (seed, stream, step) only, so a resumed run draws
+    the same prompts. Under torchrun the global batch of `prompts_per_step` prompts is split evenly
+    across ranks.
     """
     import torch
 
