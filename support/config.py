@@ -50,7 +50,9 @@ class Config:
     """pi_SFT checkpoint (Hugging Face format); None: build one with the built-in task's SFT stage"""
     data: str | None = None
     """prompts + answers: a .jsonl, .json or .parquet file, a folder of them, or a glob (quote it:
-    'data/train-*.parquet'); verl's and TRL's layouts read as they are (data.py); None: the built-in task"""
+    'data/train-*.parquet'); None: the built-in task. Other layouts name their fields with --prompt-key
+    and --answer-key (the README's table): verl's needs --answer-key reward_model.ground_truth, and
+    TRL's --answer-key solution (or completion, where that is text)"""
     val_data: tuple[str, ...] | None = None
     """held-out sets of their own (files, folders or globs, as --data; e.g. MATH-500 and AIME), reported
     per data source; then --data is not split. None: --eval-fraction of --data is held out"""
