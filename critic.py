@@ -207,6 +207,11 @@ def roc_auc(scores: np.ndarray, positive: np.ndarray) -> float:
     return float((pos[:, None] > neg[None, :]).mean() + 0.5 * (pos[:, None] == neg[None, :]).mean())
 
 
+def auc_text(auc: float) -> str:
+    """An AUC for a log line: NaN, when the outcomes are all equal and there is no pair to rank, in words."""
+    return "undefined (all outcomes equal)" if math.isnan(auc) else f"{auc:.3f}"
+
+
 def orm_quality(model, scored: list) -> dict:
     """The ORM judged as a reward model (what it was trained for): its score at the last token of each
     response (`ScoredBatch`es) against the verified outcome, on complete responses (ended with EOS) and
@@ -291,7 +296,8 @@ def prepare_orm(cfg, sft_path: str, sampler: Sampler, records: list[dict]) -> st
             held_out = quality.get("all", {})
             tqdm.write(f"ORM ({cfg.orm_loss}): {cfg.orm_steps} steps on {sum(len(s.batch) for s in scored) * world_size()} "
                        f"graded samples, loss {history[-1]['orm/loss']:.3f}; held-out AUC "
-                       f"{held_out.get('auc', float('nan')):.3f} on {held_out.get('responses', 0)} responses -> {path}")
+                       f"{auc_text(held_out.get('auc', float('nan')))} on {held_out.get('responses', 0)} responses "
+                       f"-> {path}")
 
     build_once(path, orm_settings(cfg), build, owner=cfg.run_name, remedy="delete it to train a new one")
     return path

@@ -50,7 +50,9 @@ class Config:
     """pi_SFT checkpoint (Hugging Face format); None: build one with the built-in task's SFT stage"""
     data: str | None = None
     """prompts + answers: a .jsonl, .json or .parquet file, a folder of them, or a glob (quote it:
-    'data/train-*.parquet'); verl's and TRL's layouts read as they are (data.py); None: the built-in task"""
+    'data/train-*.parquet'); None: the built-in task. Other layouts name their fields with --prompt-key
+    and --answer-key (the README's table): verl's needs --answer-key reward_model.ground_truth, and
+    TRL's --answer-key solution (or completion, where that is text)"""
     val_data: tuple[str, ...] | None = None
     """held-out sets of their own (files, folders or globs, as --data; e.g. MATH-500 and AIME), reported
     per data source; then --data is not split. None: --eval-fraction of --data is held out"""
@@ -115,7 +117,8 @@ class Config:
     steps: int = 30
     """PPO steps"""
     prompts_per_step: int = 32
-    """prompts per rollout batch"""
+    """prompts per rollout batch, drawn with replacement from the training prompts, seeded by the step,
+    not in shuffled epochs as verl and TRL go: a step may repeat a prompt, and a run need not see every one"""
     samples_per_prompt: int = 2
     """responses per prompt (GRPO needs >= 2)"""
     ppo_epochs: int = 1
@@ -346,8 +349,9 @@ class Config:
             "temperature": (self.temperature > 0, "> 0"),
             "top_p": (0.0 < self.top_p <= 1.0, "in (0, 1]"),
             "data": (self.data is None or (self.model is not None and not no_data),
-                     "a file, a folder of .json/.jsonl/.parquet files or a glob matching files, with --model: "
-                     "the built-in pi_SFT knows only the built-in task" + no_data),
+                     "a file, a folder of .json/.jsonl/.parquet files or a glob matching files"
+                     + (", with --model: the built-in pi_SFT knows only the built-in task" if self.model is None
+                        else "") + no_data),
             "val_data": (self.val_data is None or (self.data is not None and bool(self.val_data) and not no_val_data),
                          "files, folders or globs matching files, with --data" + no_val_data),
             "val_prompt_key": self._per_val_set("val_prompt_key"),

@@ -302,7 +302,11 @@ def _check(where: str, record: object, prompt_key: str, answer_key: str,
     prompt, answer = field(record, prompt_key), field(record, answer_key)
     for key, value in ((prompt_key, prompt), (answer_key, answer)):
         if value is None:
-            raise DataError(f"{where}: missing field {key!r}")
+            # A misspelt --prompt-key/--answer-key: the record's own fields show the right one. (A field that
+            # is there but null, or a nested one, is a fault of that record alone: its fields would mislead.)
+            absent = key not in record and key.split(".")[0] not in record
+            names = ", ".join(map(repr, list(record)[:12])) + (", ..." if len(record) > 12 else "")
+            raise DataError(f"{where}: missing field {key!r}" + (f" (its fields: {names or 'none'})" if absent else ""))
     if isinstance(prompt, list):
         _check_messages(where, prompt, prompt_key)
     elif not isinstance(prompt, str) or not prompt.strip():
@@ -567,8 +571,10 @@ def stream_seed(seed: int, stream: str, step: int) -> int:
 def sample_prompts(records: list[dict], cfg, step: int, stream: str) -> list[dict]:
     """This rank's prompts for one step, each repeated `samples_per_prompt` times side by side.
 
-    A function of (seed, stream, step) only, so a resumed run draws the same prompts. Under
-    torchrun the global batch of `prompts_per_step` prompts is split evenly across ranks.
+    Drawn with replacement, not in shuffled epochs as verl and TRL go (every result table was made
+    so): a step may repeat a prompt. A function of (seed, stream, step) only, so a resumed run draws
+    the same prompts. Under torchrun the global batch of `prompts_per_step` prompts is split evenly
+    across ranks.
     """
     import torch
 

@@ -219,7 +219,11 @@ def check_model(path: str, weights: bool = True, positions: int | None = None, c
             raise ModelError(f"{where}: {name} is not JSON ({e})") from None
 
     if not (root / "config.json").is_file():
-        raise ModelError(f"{where}: no Hugging Face checkpoint there (no config.json)")
+        # A hub name (Qwen/Qwen2.5-0.5B-Instruct) reads as a local folder that is not there: say so.
+        hub = not root.exists() and path.count("/") == 1 and not path.startswith((".", "/"))
+        raise ModelError(f"{where}: no Hugging Face checkpoint there (no config.json)" + (
+            f"; hub names are not downloaded: download it first (hf download {path} --local-dir DIR) "
+            f"and pass the directory" if hub else ""))
     config = read_json("config.json")
     model_type = config.get("model_type") if isinstance(config, dict) else None
     if model_type is None:

@@ -316,6 +316,20 @@ def test_a_model_type_with_no_token_classification_model_trains_no_critic_on_it(
     assert not (out_dir / "opt").exists()
 
 
+def test_a_hub_name_as_model_says_it_is_not_downloaded(tmp_path, monkeypatch):
+    """--model Qwen/Qwen2.5-0.5B-Instruct said only "no Hugging Face checkpoint there": hub names are
+    not downloaded, and the message says how to get one; a local folder (there, or a path) is not a hub name."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelError, match=r"--model Qwen/Qwen2\.5-0\.5B-Instruct: no Hugging Face checkpoint there "
+                                         r"\(no config\.json\); hub names are not downloaded: download it first "
+                                         r"\(hf download Qwen/Qwen2\.5-0\.5B-Instruct --local-dir DIR\) and pass"):
+        check_model("Qwen/Qwen2.5-0.5B-Instruct")
+    (tmp_path / "models" / "mine").mkdir(parents=True)
+    for path in ("models/mine", "./Qwen/Qwen2.5", "/no/such", "a/b/c"):
+        with pytest.raises(ModelError, match=r"\(no config\.json\)$"):
+            check_model(path)
+
+
 def test_pytorch_model_bin_weights_are_checked_like_safetensors(sft, tmp_path):
     path = tmp_path / "bin"
     shutil.copytree(sft, path)

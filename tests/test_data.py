@@ -55,7 +55,8 @@ def test_chat_template_is_applied_with_generation_prompt(tmp_path):
 @pytest.mark.parametrize("bad_line, message", [
     ('{"prompt": "x", "answer": ', "malformed JSON"),
     ({"answer": "1"}, "missing field 'prompt'"),
-    ({"prompt": "x"}, "missing field 'answer'"),
+    ({"prompt": "x"}, "missing field 'answer' \\(its fields: 'prompt'\\)"),  # a misspelt key shows the right one
+    ({"prompt": "x", "answer": None}, "missing field 'answer'$"),  # there but null: its fields would mislead
     ({"prompt": "   ", "answer": "1"}, "empty or non-text prompt"),
     ({"prompt": "x", "answer": ""}, "empty answer in field 'answer'"),
     ({"prompt": "x", "answer": " \t "}, "empty answer in field 'answer'"),  # blank is empty too: no gold to grade by
@@ -155,7 +156,8 @@ def test_records_all_skipped_say_why_the_first_was(tmp_path, capsys):
                           answer_key="answer", max_prompt_tokens=64, skip_bad_records=True, eval_fraction=0.5,
                           val_data=None, prompt_template=None, answer_format=None)
     with pytest.raises(DataError, match=r"d\.jsonl: no usable records \(3 malformed skipped, 0 over "
-                                        r"--max-prompt-tokens 64; the first skipped: .*d\.jsonl:1: missing field 'prompt'\)"):
+                                        r"--max-prompt-tokens 64; the first skipped: .*d\.jsonl:1: missing field 'prompt' "
+                                        r"\(its fields: 'question', 'answer'\)\)"):
         prepare_data(cfg, char_tokenizer())
     write_jsonl(tmp_path / "d.jsonl", GOOD + rows[:1])
     prepare_data(cfg, char_tokenizer())

@@ -337,6 +337,18 @@ def test_orm_quality_judges_the_complete_responses_apart_from_all_of_them(tmp_pa
     assert quality["complete"]["auc"] == roc_auc(scores[keep].numpy(), labels[keep].numpy() > 0)
 
 
+def test_a_held_out_auc_over_equal_outcomes_is_logged_as_undefined_not_nan(tmp_path, one_thread):
+    """Every held-out response right (or every one wrong) leaves no pair to rank: the ORM's log line said
+    "held-out AUC nan"; it says why there is no number, as the value pretraining's explained variance does."""
+    from critic import auc_text, orm_quality
+
+    model = _tiny_value_model(tmp_path)
+    batch, labels = _synthetic_batch(seed=7, batch_size=4)
+    quality = orm_quality(model, [SimpleNamespace(batch=batch, outcomes=torch.ones_like(labels))])["all"]
+    assert auc_text(quality["auc"]) == "undefined (all outcomes equal)"
+    assert auc_text(0.75) == "0.750"
+
+
 def test_bradley_terry_without_a_right_and_a_wrong_answer_to_one_prompt_is_a_clear_error(tmp_path, one_thread):
     from support.config import ConfigError
 

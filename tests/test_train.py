@@ -381,6 +381,9 @@ def test_values_at_the_edge_of_their_range_are_accepted_and_flags_that_need_anot
     assert config.parse_config([*with_data, "--prompt-template", "Solve: {prompt}"]).data == str(data)
     for argv, refusal in [
         (["--data", str(data)], r"--data = .* \(must be .*with --model: the built-in pi_SFT knows only"),
+        # A misspelt --data with --model given: what is wrong is the path alone, not a missing --model.
+        (["--model", "m", "--data", f"{data}x"], r"--data = .* \(must be a file, a folder of \.json/\.jsonl/\.parquet "
+                                                 r"files or a glob matching files; here, .*x: no file or folder"),
         ([*with_data, "--prompt-template", "Solve it."], r"--prompt-template = 'Solve it.' \(must be a text holding"),
         ([*with_data, "--task-difficulty", "2", "3"], r"--task-difficulty = \(2, 3\) \(must be .* and no --data"),
         # a run's own directory: runs inside it would be deleted by its --overwrite (a run named checkpoint)
