@@ -4,6 +4,16 @@ Each held-out prompt is sampled `eval_samples` times (at --eval-temperature, up 
 --eval-max-new-tokens: `eval_sampler`); pass@k uses the unbiased estimator `pass_at_k`. Records that
 carry a `difficulty` (the built-in task) get accuracy and length per difficulty as well; records of
 users' data, scores per data source (`val_metrics`: the `val/<data source>/...` metrics).
+
+train.py evaluates pi_SFT and the trained policy. A model alone (a run's actor_hf/, a snapshot, any
+Hugging Face checkpoint) is evaluated on the held-out set that train.py evaluates with the same flags:
+
+    python evaluate.py --model runs/<run>/actor_hf                # the built-in task's held-out set
+    python evaluate.py --model PATH --data train.jsonl --val-data aime.jsonl math500.jsonl --eval-samples 32
+
+It takes train.py's flags (those of the data, of sampling and of evaluation count; the rest change
+nothing), prints the scores per held-out set and writes them, with the first samples' texts, to
+<out-dir>/eval/<the model's folder>.json.
 """
 
 from __future__ import annotations
@@ -11,14 +21,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 from collections import defaultdict
 
 import torch.distributed as dist
 from tqdm import tqdm
 
 from support.data import stream_seed
+import fsdp_utils
 from fsdp_utils import any_rank, distributed, is_main, rank, world_size
+from support.config import ConfigError, parse_config
 from support.rundir import read_json, write_json
+from reward import Grader
 from sampling import Sampler
 
 SHOWN_SAMPLES = 8  # the summary keeps the texts of the first samples, all from the first records
@@ -108,11 +122,21 @@ def _scores(correct: list, lengths: list, truncated: list, n: int) -> dict:
     return result
 
 
+def scores_by_source(result: dict) -> dict:
+    """{held-out set: {pass@1, pass@k, mean_length, truncated}}; the built-in task's set is "held_out"."""
+    return result.get("by_source") or {"held_out": {k: v for k, v in result.items() if isinstance(v, float)}}
+
+
+def score_columns(scores: dict) -> list[str]:
+    """The order a table shows one set's scores in: pass@1, pass@k, mean_length, truncated."""
+    return ["pass@1", *(k for k in scores if k.startswith("pass@") and k != "pass@1"), "mean_length", "truncated"]
+
+
 def val_metrics(result: dict) -> dict:
     """An evaluation as metrics rows take it: `val/<data source>/pass@1`, `/pass@k`, `/mean_length`,
     `/truncated` (the built-in task's held-out set is `val/held_out/...`)."""
-    by_source = result.get("by_source") or {"held_out": {k: v for k, v in result.items() if isinstance(v, float)}}
-    return {f"val/{source}/{name}": value for source, scores in by_source.items() for name, value in scores.items()}
+    return {f"val/{source}/{name}": value for source, scores in scores_by_source(result).items()
+            for name, value in scores.items()}
 
 
 def eval_sampler(sampler: Sampler) -> Sampler:
@@ -141,3 +165,43 @@ def share_of_records(n_records: int, rank: int, world: int) -> tuple[list[int], 
     mine = list(range(rank, n_records, world))
     padding = -(-n_records // world) - len(mine)
     return mine + [0] * padding, [True] * len(mine) + [False] * padding
+
+
+def main(cfg) -> dict:
+    """Evaluate --model alone (module docstring); returns what `evaluate` returns."""
+    import train  # it imports this module: here, not at the top
+
+    if cfg.model is None:
+        raise ConfigError("evaluate.py needs --model: a Hugging Face checkpoint, such as a run's actor_hf/")
+    dist_info = train.start(cfg)
+    path, tokenizer, (_, held_out), actor = train.policy_and_data(cfg, dist_info)
+    with Grader(num_workers=cfg.grader_workers, timeout_s=cfg.grader_timeout_s) as grader:
+        sampler = eval_sampler(Sampler(cfg, train.build_engine(cfg, actor, path, tokenizer), tokenizer, grader))
+        result = evaluate(sampler, held_out, "model")
+    model_dir = os.path.realpath(cfg.model)
+    out = os.path.join(cfg.out_dir, "eval", "__".join(model_dir.split(os.sep)[-2:]) + ".json")
+    if is_main():
+        settings = {"model": model_dir, "data": cfg.data, "val_data": cfg.val_data, "samples": cfg.eval_samples,
+                    "temperature": sampler.cfg.temperature, "max_new_tokens": sampler.cfg.max_new_tokens,
+                    "seed": cfg.seed}
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        write_json(out, {"settings": settings, **result})
+        columns = score_columns(result)
+        print(f"\n{'held-out set':<24}" + "".join(f"{c:>13}" for c in columns))
+        for source, scores in scores_by_source(result).items():
+            print(f"{source:<24}" + "".join(f"{scores[c]:>13.3f}" for c in columns))
+        print(f"\n{len(held_out)} problems x {cfg.eval_samples} samples of {cfg.model}; wrote {out}")
+    fsdp_utils.barrier()  # every rank is done generating before any engine goes
+    sampler.engine.close()
+    fsdp_utils.close_distributed()
+    return result
+
+
+if __name__ == "__main__":
+    from train import USER_ERRORS
+
+    try:
+        main(parse_config(sys.argv[1:], description=__doc__))
+    except USER_ERRORS as err:
+        sys.exit(f"error: {err}")
+    fsdp_utils.exit_now_if_gloo()  # torchrun on CPU: see there why

@@ -33,7 +33,7 @@ from support import rundir
 from support.config import Config, ConfigError, cpu_threads, parse_config, positions_needed
 from critic import check_orm, critic_loss, fresh_head_seed, load_value_model, prepare_orm, response_values
 from support.data import DataError, prepare_data, sample_prompts, stream_seed
-from evaluate import eval_sampler, evaluate, evaluate_once, val_metrics
+from evaluate import eval_sampler, evaluate, evaluate_once, score_columns, val_metrics
 from support.fast_rollout import FastHFRollout
 from gae import decoupled_gae, grpo_advantages, length_adaptive_lambda
 from support.masked import check_masked_inputs, masked_mean
@@ -244,15 +244,7 @@ def main(cfg: Config) -> dict:
     if cfg.plan:
         memory_plan.print_plan(cfg)
         return {}
-    try:  # before any stage runs: a GPU-only flag on a CPU machine, or vLLM where it is missing, stops here
-        fsdp_utils.check_gpu_options(cfg.mixed_precision, cfg.cpu_offload)
-        if cfg.rollout == "vllm":
-            check_installed()
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-    dist_info = fsdp_utils.init_distributed(cpu_collectives=cfg.cpu_offload)
-    torch.set_num_threads(cpu_threads(cfg))
-    torch.manual_seed(cfg.seed)
+    dist_info = start(cfg)
     with rundir.locked(cfg) as run_dir, preemption.handled(lambda: left_behind(run_dir)):
         try:
             return run(cfg, dist_info)
@@ -262,9 +254,39 @@ def main(cfg: Config) -> dict:
             raise OSError(f"{err}. {left_behind(run_dir)}") from None
 
 
+def start(cfg: Config):
+    """The process group (one process: none) and torch's threads and seed; a GPU-only flag on a CPU
+    machine, or vLLM where it is missing, stops here, before any stage runs."""
+    try:
+        fsdp_utils.check_gpu_options(cfg.mixed_precision, cfg.cpu_offload)
+        if cfg.rollout == "vllm":
+            check_installed()
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    dist_info = fsdp_utils.init_distributed(cpu_collectives=cfg.cpu_offload)
+    torch.set_num_threads(cpu_threads(cfg))
+    torch.manual_seed(cfg.seed)
+    return dist_info
+
+
 def left_behind(run_dir: str) -> str:
     """What a signal outside the training loops leaves (preemption.handled), in a sentence."""
     return f"{rundir.last_checkpoint(run_dir)} Finished stages are kept; resume with the same command and --resume"
+
+
+def policy_and_data(cfg: Config, dist_info) -> tuple:
+    """(pi_SFT's path, its tokenizer, the (train, held-out) records, the actor loaded from it): pi_SFT
+    is --model (checked) or the built-in task's, trained once. What PPO and evaluate.py start from."""
+    sft_path = prepare_sft(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(sft_path)
+    try:  # no EOS or pad token: said before the data is read and the actor loaded (minutes at 32B)
+        stop_and_pad_ids(tokenizer, None)
+    except ValueError as err:
+        raise refusal(cfg, sft_path, err) from None
+    if cfg.model:
+        check_vocabulary(cfg.model, tokenizer)
+    records = prepare_data(cfg, tokenizer)
+    return sft_path, tokenizer, records, load_actor(cfg, sft_path, dist_info)
 
 
 def run(cfg: Config, dist_info) -> dict:
@@ -278,17 +300,9 @@ def run(cfg: Config, dist_info) -> dict:
     if cfg.estimator == "gae" and cfg.critic_init == "rm":
         check_orm(cfg)
     # The stages before PPO, each cached (rundir.build_once): pi_SFT, the ORM, value pretraining.
-    sft_path = prepare_sft(cfg)
-    tokenizer = AutoTokenizer.from_pretrained(sft_path)
-    try:  # no EOS or pad token: said before the data is read and the actor loaded (minutes at 32B)
-        stop_and_pad_ids(tokenizer, None)
-    except ValueError as err:
-        raise refusal(cfg, sft_path, err) from None
-    if cfg.model:
-        check_vocabulary(cfg.model, tokenizer)
-    train_records, eval_records = prepare_data(cfg, tokenizer)
+    sft_path, tokenizer, (train_records, eval_records), actor = policy_and_data(cfg, dist_info)
     grader = Grader(num_workers=cfg.grader_workers, timeout_s=cfg.grader_timeout_s)
-    models = {"actor": load_actor(cfg, sft_path, dist_info)}
+    models = {"actor": actor}
     if cfg.logprob_chunk_tokens is not None:
         check_logprob_chunks(models["actor"], dist_info.device)
     sampler = Sampler(cfg, build_engine(cfg, models["actor"], sft_path, tokenizer), tokenizer, grader)
@@ -367,8 +381,7 @@ def run(cfg: Config, dist_info) -> dict:
 
 
 def print_summary(summary: dict, run_dir: str) -> None:
-    k = [key for key in summary["sft"] if key.startswith("pass@") and key != "pass@1"]
-    cols = ["pass@1", *k, "mean_length", "truncated"]
+    cols = score_columns(summary["sft"])
     print(f"\n{'stage':<16}" + "".join(f"{c:>13}" for c in cols))
     for stage in ("sft", "ppo"):
         print(f"{stage:<16}" + "".join(f"{summary[stage].get(c, float('nan')):>13.3f}" for c in cols))
@@ -383,12 +396,14 @@ def print_summary(summary: dict, run_dir: str) -> None:
           f"actor_hf/ (the final policy in Hugging Face format), eval_sft.json, summary.json")
 
 
+# Bad settings or input, a diverged model, an unreadable checkpoint, a file that cannot be written:
+# said in one line, whose message says which and where (here and in evaluate.py).
+USER_ERRORS = (ConfigError, DataError, ModelError, OSError, FloatingPointError, checkpoints.CheckpointError)
+
 if __name__ == "__main__":
     try:
         main(parse_config(sys.argv[1:], description=__doc__))
-    # Bad settings or input, a diverged model, an unreadable checkpoint, a file that cannot be written:
-    # the message says which and where.
-    except (ConfigError, DataError, ModelError, OSError, FloatingPointError, checkpoints.CheckpointError) as err:
+    except USER_ERRORS as err:
         sys.exit(f"error: {err}")
     except preemption.Preempted as stopped:  # its line is printed: exit as a signal would end it
         fsdp_utils.exit_now_if_gloo(stopped.exit_code)

@@ -452,7 +452,7 @@ def layouts(tmp_path_factory):
     ("gsm8k", ["--prompt-key", "question"], r"gsm8k\.jsonl:2: no number after '####' in the answer \(GSM8K format\)"),
     ("train", ["--val-data", "{val_other_schema}"], r"val\.jsonl:1: missing field 'prompt'"),
     ("empty_glob", [], r"--data = '.*empty/\*\.parquet' \(must be a file, a folder of .json/.jsonl/.parquet files or "
-                       r"a glob matching files, .*; here, .*empty/\*\.parquet: the pattern matches no \.jsonl, \.json, "
+                       r"a glob matching files; here, .*empty/\*\.parquet: the pattern matches no \.jsonl, \.json, "
                        r"\.parquet file\)"),  # data_files' reason, not only what would be valid
 ])
 def test_users_data_faults_stop_with_one_line_and_write_nothing(out_dir, sft, layouts, case, flags, match):

@@ -506,6 +506,25 @@ def test_pi_sft_is_evaluated_once_per_run_directory(out_dir, sft):
     assert train.main(cfg)["sft"]["pass@1"] == -1.0  # read back, not sampled again
 
 
+def test_evaluate_py_scores_a_model_alone_as_train_py_scores_it_on_the_same_held_out_set(out_dir, sft, capsys):
+    """`python evaluate.py --model M` samples the held-out set train.py evaluates with the same flags,
+    with the same draws: pi_SFT's scores equal those train.py wrote to eval_sft.json, and are written."""
+    import evaluate
+
+    by_train = train.main(micro_config(out_dir, "--run-name", "eval-alone", "--steps", "0",
+                                       "--value-pretrain-steps", "0"))["sft"]
+    alone = evaluate.main(micro_config(out_dir, "--model", sft))
+    assert {k: alone[k] for k in ("pass@1", "pass@2", "mean_length", "truncated")} == {
+        k: by_train[k] for k in ("pass@1", "pass@2", "mean_length", "truncated")}
+    written = json.loads((out_dir / "eval" / "_shared__sft.json").read_text())
+    assert written["pass@1"] == alone["pass@1"] and written["settings"]["samples"] == 2
+    table = capsys.readouterr().out.splitlines()
+    assert table[-4].split() == ["held-out", "set", "pass@1", "pass@2", "mean_length", "truncated"]
+    assert table[-3].split()[:2] == ["held_out", f"{alone['pass@1']:.3f}"]
+    with pytest.raises(config.ConfigError, match=r"evaluate.py needs --model"):
+        evaluate.main(micro_config(out_dir))
+
+
 def test_runs_that_differ_only_after_value_pretraining_share_the_pretrained_critic(out_dir, sft, monkeypatch):
     """VC-PPO and its lambda variants of one seed pretrain the same critic bit for bit: the second
     run links to the first one's instead of pretraining again; another seed pretrains its own."""
@@ -740,7 +759,7 @@ def test_flags_that_another_flag_makes_meaningless_are_named(tmp_path):
         "without --kl-coef there is no KL term: --kl-estimator k1 changes nothing",
         "without --activation-checkpointing nothing is recomputed: --checkpoint-fraction 0.5 changes nothing",
         "--micro-batch-tokens sizes the micro-batches: --micro-batch-size 4 changes nothing"]
-    assert notes("--critic-init", "rm", "--orm-steps", "7", "--kl-coef", "0.1", "--kl-estimator", "k1",
+    assert notes("--critic-init", "rm", "--orm-steps", "7", "--kl-coef", "0.1", "--kl-estimator", "k2",
                  "--activation-checkpointing", "--checkpoint-fraction", "0.5") == []
     with pytest.raises(config.ConfigError, match=r"--plateau-ev-tol = -5.0 \(must be >= 0"):
         config.parse_config(["--plateau-ev-tol", "-5"])
