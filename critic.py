@@ -237,7 +237,7 @@ def orm_quality(model, scored: list) -> dict:
 ORM_SETTINGS = ("orm_batches", "orm_steps", "orm_lr", "orm_loss", "prompts_per_step", "samples_per_prompt",
                 "max_new_tokens", "temperature", "top_p", "truncation_reward", "model", "data",
                 "task_train_size", "task_difficulty", "max_prompt_tokens", "eval_fraction", "val_data",
-                "val_prompt_key", "val_answer_key", "prompt_template", "answer_format")
+                "val_prompt_key", "val_answer_key", "prompt_template", "answer_format", "prompt_format")
 
 
 def orm_path(cfg) -> str:

@@ -52,7 +52,7 @@ KEYED_BEFORE = ("value_clip", "eval_samples", "task_eval_size")
 ORM_SETTINGS = ("orm_batches", "orm_steps", "orm_lr", "orm_loss")  # keyed only where the critic starts from the ORM
 # Data settings added after critics had been pretrained and shared: left out of the key while unset,
 # so that those critics are still found.
-KEYED_WHEN_SET = ("val_data", "val_prompt_key", "val_answer_key", "prompt_template", "answer_format")
+KEYED_WHEN_SET = ("val_data", "val_prompt_key", "val_answer_key", "prompt_template", "answer_format", "prompt_format")
 
 
 def pretrain_settings(cfg) -> dict:

@@ -73,6 +73,10 @@ class Config:
     prompt_template: str | None = None
     """rewrites each --data / --val-data prompt (the last user turn of a message list): '{prompt}' stands for
     it, e.g. '{prompt} Please reason step by step, and put your final answer within \\boxed{}.'"""
+    prompt_format: Literal["chat", "raw"] | None = None
+    """how a text prompt becomes tokens: chat, one user turn through the tokenizer's chat template; raw,
+    the text as it is (with the tokenizer's own BOS, if any): a base model prompted in a format of the
+    run's own (--prompt-template), as R1-Zero and DAPO train; None: chat where the tokenizer has a template"""
     skip_bad_records: bool = False
     """skip (and count) malformed records of --data instead of stopping with an error"""
     max_prompt_tokens: int = 512
@@ -252,7 +256,8 @@ class Config:
             (self.data is not None, "--data replaces the built-in task",
              set_here(("task_length", "task_train_size", "task_eval_size"))),
             (self.data is None, "without --data the run trains on the built-in task",
-             set_here(("prompt_key", "answer_key", "answer_format", "skip_bad_records", "eval_fraction"))),
+             set_here(("prompt_key", "answer_key", "answer_format", "prompt_format", "skip_bad_records",
+                       "eval_fraction"))),
             (self.model is not None, "--model is pi_SFT", set_here(("sft_steps",))),
             (self.estimator == "gae" and self.length_adaptive_alpha is not None,
              "--length-adaptive-alpha sets lambda_actor per response", set_here(("lam_actor",))),

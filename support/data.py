@@ -19,7 +19,8 @@ are read as they are:
   written (the grader reads its last `\\boxed{}` if it has one); None detects a last line `#### ...`
   and no `\\boxed{}`; held-out sets (`--val-data`) are always detected, each set reported apart;
 - `prompt_template` (`"{prompt} Please reason step by step, ..."`) rewrites the prompt text (the
-  last user turn of a message list).
+  last user turn of a message list); `prompt_format` "raw" leaves the chat template out
+  (`encode_prompt`).
 A malformed line, a missing field, an empty prompt or answer stops loading with the file and line
 named, or with `on_error="skip"` is skipped and counted. Prompts longer than `max_prompt_tokens`
 are dropped and counted: a cut prompt would be a different question.
@@ -64,14 +65,22 @@ class DataError(ValueError):
     """A data file, or a record in it, that cannot be used; the message says where and why."""
 
 
-def encode_prompt(tokenizer, prompt: str | list[dict]) -> list[int]:
-    """Prompt token ids; through the tokenizer's chat template when it has one. A text prompt is
-    one user turn; a list of chat messages needs the template.
+def encode_prompt(tokenizer, prompt: str | list[dict],
+                  prompt_format: Literal["chat", "raw"] | None = None) -> list[int]:
+    """Prompt token ids; through the tokenizer's chat template when it has one (`prompt_format`
+    None), always ("chat") or never ("raw": the text as it is). A text prompt is one user turn; a
+    list of chat messages needs the template.
 
     With a template the text is the messages plus the assistant header (add_generation_prompt),
     and the template supplies any BOS itself, hence add_special_tokens=False.
     """
-    if getattr(tokenizer, "chat_template", None):
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if prompt_format == "chat" and not has_template:
+        raise DataError("--prompt-format chat: the model's tokenizer has no chat template (set its "
+                        "tokenizer_config.json's chat_template), or --prompt-format raw")
+    if not isinstance(prompt, str) and prompt_format == "raw":
+        raise DataError("chat-message prompts need the chat template, which --prompt-format raw leaves out")
+    if has_template and prompt_format != "raw":
         from jinja2 import TemplateError, TemplateSyntaxError
 
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
@@ -383,6 +392,7 @@ def load_records(
     on_error: Literal["raise", "skip"] = "raise",
     prompt_template: str | None = None,
     answer_format: Literal["gsm8k", "math"] | None = None,
+    prompt_format: Literal["chat", "raw"] | None = None,
 ) -> tuple[list[dict], LoadStats]:
     """Records of the files `path` names (`data_files`), tokenized, plus what was skipped or dropped."""
     if on_error not in ("raise", "skip"):
@@ -390,7 +400,7 @@ def load_records(
     if max_prompt_tokens is not None and max_prompt_tokens < 1:
         raise ValueError(f"load_records: max_prompt_tokens must be >= 1, got {max_prompt_tokens}")
     records, stats = [], LoadStats()
-    template_marks = _template_marks(tokenizer)
+    template_marks = _template_marks(tokenizer) if prompt_format != "raw" else []  # raw: a format of the run's own
     files, stats.not_read = _named_files(path)
     set_names = _set_names(files)
 
@@ -419,7 +429,7 @@ def load_records(
                 bad_record(e)
                 continue
             try:  # not a fault of the record, so never skipped: a tokenizer without a chat template
-                prompt_ids = encode_prompt(tokenizer, prompt)
+                prompt_ids = encode_prompt(tokenizer, prompt, prompt_format)
             except DataError as e:
                 raise DataError(f"{where}: {e}") from None
             if not prompt_ids:  # a tokenizer that drops the characters it lacks: the rollout needs a token
@@ -547,7 +557,8 @@ def _sets_apart(sets: list[list[dict]], specs: tuple[str, ...]) -> list[dict]:
 def _load(cfg, spec: str, tokenizer, prompt_key: str, answer_key: str, answer_format) -> list[dict]:
     """The records of one --data or --val-data value, with the run's template and this answer format."""
     records, stats = load_records(spec, tokenizer, prompt_key, answer_key, cfg.max_prompt_tokens,
-                                  "skip" if cfg.skip_bad_records else "raise", cfg.prompt_template, answer_format)
+                                  "skip" if cfg.skip_bad_records else "raise", cfg.prompt_template, answer_format,
+                                  cfg.prompt_format)
     first = f"; the first skipped: {stats.first_skipped}" if stats.first_skipped else ""
     _say(f"data: {stats.loaded} records from {spec} ({stats.skipped_malformed} malformed skipped, "
           f"{stats.dropped_too_long} over {cfg.max_prompt_tokens} tokens dropped{first})")

@@ -52,6 +52,26 @@ def test_chat_template_is_applied_with_generation_prompt(tmp_path):
     assert encode_prompt(char_tokenizer(), "1+1=") == char_tokenizer()("1+1=")["input_ids"]
 
 
+def test_prompt_format_raw_leaves_the_chat_template_out_and_chat_insists_on_one(tmp_path):
+    """--prompt-format raw: the text as it is, even where the tokenizer has a template (a base model
+    prompted in a format of the run's own, which may hold the template's marks); chat: a tokenizer
+    without a template is refused; message lists need the template."""
+    tok = char_tokenizer(TEMPLATE)
+    assert encode_prompt(tok, "1+1=", "raw") == tok("1+1=")["input_ids"]
+    assert tok.decode(encode_prompt(tok, "1+1=", "chat")) == tok.decode(encode_prompt(tok, "1+1=")) == "<u>1+1=<a>"
+    with pytest.raises(DataError, match=r"--prompt-format chat: the model's tokenizer has no chat template"):
+        encode_prompt(char_tokenizer(), "1+1=", "chat")
+    with pytest.raises(DataError, match=r"chat-message prompts need the chat template, which --prompt-format raw"):
+        encode_prompt(tok, [{"role": "user", "content": "1+1="}], "raw")
+    marked = char_tokenizer(TEMPLATE)
+    marked.add_special_tokens({"additional_special_tokens": ["<u>"]})
+    own_format = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "<u>1+1=<a>", "answer": "2"}])
+    with pytest.raises(DataError, match=r"the prompt already holds '<u>'"):  # templated twice, by default
+        load_records(own_format, marked)
+    records, _ = load_records(own_format, marked, prompt_format="raw")
+    assert marked.decode(records[0]["prompt_ids"]) == "<u>1+1=<a>"
+
+
 @pytest.mark.parametrize("bad_line, message", [
     ('{"prompt": "x", "answer": ', "malformed JSON"),
     ({"answer": "1"}, "missing field 'prompt'"),

@@ -746,8 +746,9 @@ def test_flags_that_another_flag_makes_meaningless_are_named(tmp_path):
         "--data replaces the built-in task: --task-eval-size 4 changes nothing", "--model is pi_SFT: --sft-steps 3 changes nothing"]
     assert notes("--model", "m", "--data", str(data), "--val-data", str(data), "--eval-fraction", "0.2") == [
         "--val-data is the held-out set: --eval-fraction 0.2 changes nothing"]
-    assert notes("--prompt-key", "question", "--eval-fraction", "0.2") == [
-        "without --data the run trains on the built-in task: --prompt-key question, --eval-fraction 0.2 change nothing"]
+    assert notes("--prompt-key", "question", "--prompt-format", "raw", "--eval-fraction", "0.2") == [
+        "without --data the run trains on the built-in task: --prompt-key question, --prompt-format raw, "
+        "--eval-fraction 0.2 change nothing"]
     assert notes("--length-adaptive-alpha", "0.05", "--lam-actor", "0.5") == [
         "--length-adaptive-alpha sets lambda_actor per response: --lam-actor 0.5 changes nothing"]
     assert notes("--gpu-memory-utilization", "0.8") == ["--rollout hf-fast runs no vLLM: --gpu-memory-utilization 0.8 changes nothing"]
