@@ -32,7 +32,7 @@ class DistInfo:
 
 # Set by init_distributed when the process group is gloo's, whose threads outlive it (exit_now_if_gloo).
 _gloo_threads = False
-# A gloo group of every rank whose waits have no practical time limit (wait_for_main); init_distributed makes it.
+# A gloo group of every rank whose waits have no practical time limit (wait_patiently); init_distributed makes it.
 _patient_group = None
 PATIENT_TIMEOUT = timedelta(days=7)
 
@@ -277,12 +277,14 @@ def local_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def wait_for_main() -> None:
-    """`barrier` where the other ranks wait while rank 0 works alone: it trains the built-in task's
-    pi_SFT (`rundir.build_once`), 20-30 min for the long task's on all of a CPU's cores, longer on
-    its share of them under torchrun. Through a gloo group without the process group's time limit
-    (30 min on gloo, 10 on NCCL), which ended that wait with a timeout on every other rank. A rank 0
-    that fails still ends it at once: its connections close, and torchrun stops the rest."""
+def wait_patiently() -> None:
+    """`barrier` where ranks wait for one that works on alone, for long, through a gloo group without
+    the process group's time limit (30 min on gloo, 10 on NCCL), which ended such a wait with a
+    timeout on every other rank: rank 0 training the built-in task's pi_SFT (`rundir.build_once`),
+    20-30 min for the long task's on all of a CPU's cores, longer on its share of them under torchrun;
+    a rank grading responses that math-verify cannot finish (`sampling.Sampler`: --grader-timeout-s
+    each, 512 rows a rank and 2 workers at 32B: up to 20 min and more). A rank that fails still ends
+    it at once: its connections close, and torchrun stops the rest."""
     if distributed():
         dist.barrier(group=_patient_group)
 

@@ -18,7 +18,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from fsdp_utils import is_main
+from fsdp_utils import is_main, wait_patiently
 from rollout import RolloutBatch, decode_responses
 from reward import Grader, response_outcomes, terminal_rewards
 
@@ -55,6 +55,7 @@ class Sampler:
         generated = time.perf_counter()
         texts = decode_responses(self.tokenizer, batch)
         graded = self.grader.grade(texts, [p["answer"] for p in prompts])
+        wait_patiently()  # for the rank whose grading timed out most, before the collectives that follow
         # on the engine's device, as the batch is: so is all built from it
         verdicts = torch.tensor(graded.outcomes, dtype=torch.float32, device=batch.device)
         outcomes = response_outcomes(verdicts, batch.truncated, cfg.truncation_reward)

@@ -226,7 +226,7 @@ def build_once(path: str, settings: dict, build, owner: str, remedy: str = "dele
     rerun finds its own leftovers), which then gets settings.json and its final name. True if built
     now. `build` runs on every rank (a collective export needs them all; a stage that one rank
     builds checks the rank itself, and the others wait for it as long as it takes:
-    `fsdp_utils.wait_for_main`); rank 0 renames. A build that finds `path` taken when it ends
+    `fsdp_utils.wait_patiently`); rank 0 renames. A build that finds `path` taken when it ends
     (another run built it meanwhile) is dropped, as are the leftovers of an owner's killed build
     once another run has built the stage."""
     staging = staging_path(path, owner)
@@ -248,7 +248,7 @@ def build_once(path: str, settings: dict, build, owner: str, remedy: str = "dele
             if not os.path.isdir(path):
                 raise
             shutil.rmtree(staging)
-    fsdp_utils.wait_for_main()  # for as long as rank 0 builds alone (pi_SFT)
+    fsdp_utils.wait_patiently()  # for as long as rank 0 builds alone (pi_SFT)
     return True
 
 

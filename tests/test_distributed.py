@@ -201,6 +201,60 @@ def test_ranks_wait_for_a_stage_rank_0_builds_alone_past_the_process_groups_time
     assert results == [{"built": True, "stage": ["settings.json", "weights"]}] * 2
 
 
+SLOW_GRADING_WORKER = """
+import json, os, sys, time
+from datetime import timedelta
+import torch
+import torch.distributed as dist
+import fsdp_utils
+from reward import GradeResult
+from rollout import RolloutBatch
+from sampling import Sampler
+from support.config import Config
+# A group timeout of 3 s stands for NCCL's 10 min, and rank 1's 8 s of grading for responses that
+# math-verify cannot finish (--grader-timeout-s each).
+dist.init_process_group("gloo", timeout=timedelta(seconds=3))
+info = fsdp_utils.init_distributed()
+
+
+class Engine:
+    def generate(self, prompt_ids, max_new_tokens, temperature, top_p, seed=None):
+        one = torch.ones(len(prompt_ids), 2, dtype=torch.long)
+        return RolloutBatch(one, one, one, one.float(), torch.zeros(len(prompt_ids), 2), ["stop"] * len(prompt_ids))
+
+
+class Tokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return "1"
+
+
+class Grader:
+    def grade(self, texts, answers):
+        if info.rank == 1:
+            time.sleep(8)
+        return GradeResult(outcomes=[1.0] * len(texts), num_timeouts=0, num_missing_box=0)
+
+
+scored = Sampler(Config(), Engine(), Tokenizer(), Grader()).sample_and_score([{"prompt_ids": [1], "answer": "1"}] * 2, 0)
+total = fsdp_utils.all_reduce(scored.outcomes.sum())  # as PPO's forward would gather next
+with open(os.path.join(sys.argv[1], f"rank{info.rank}.json"), "w") as f:
+    json.dump({"total": total.item()}, f)
+fsdp_utils.close_distributed()
+fsdp_utils.exit_now_if_gloo()
+"""
+
+
+@pytest.mark.slow
+def test_ranks_wait_for_a_rank_whose_grading_takes_past_the_process_groups_timeout(tmp_path):
+    """Each rank grades its own responses, each one math-verify cannot finish costing --grader-timeout-s:
+    at the 32B preset a rank of such responses grades for 20 min and more, while the others waited in
+    the next collective, which NCCL's 10 min timeout ended."""
+    script = tmp_path / "slow_grading_worker.py"
+    script.write_text(SLOW_GRADING_WORKER)
+    results = run_torchrun(str(script), str(tmp_path))  # raises when a rank timed out
+    assert results == [{"total": 4.0}] * 2
+
+
 FOREIGN_GROUP_WORKER = """
 import json, os, socket, sys
 import torch.distributed as dist
