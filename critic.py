@@ -98,7 +98,7 @@ def response_values(model, batch: RolloutBatch) -> torch.Tensor:
 
 
 def critic_loss(critic, micro, per_token, normalizer, cfg, clip=None):
-    """Value loss (Eq. 2) of one micro-batch, for `ppo.update_model`. PPO clips around the old
+    """Value loss (Eq. 2) of one micro-batch, for `ppo_update.update_model`. PPO clips around the old
     values (`cfg.value_clip`); pretraining does not, so the critic moves freely to the MC return."""
     values = response_values(critic, micro)
     return value_loss(
@@ -128,7 +128,7 @@ def preference_pairs(outcomes: torch.Tensor, group: int) -> tuple[torch.Tensor, 
 
 
 def train_orm(model, batches: list[RolloutBatch], outcomes: list[torch.Tensor], steps: int, lr: float,
-              loss: str = "mse", group: int = 2, weight_decay: float = 0.0, max_grad_norm: float = 1.0) -> list[dict]:
+              loss: str = "mse", group: int = 2, max_grad_norm: float = 1.0) -> list[dict]:
     """Train the ORM on its last-token score, as a reward model is. `loss`:
     - "mse": (score - outcome)^2, the score regressed onto the +-1 outcome; logs the sign accuracy;
     - "bradley-terry": -log sigmoid(score_w - score_l) over every (right, wrong) pair of responses to
@@ -159,7 +159,7 @@ def train_orm(model, batches: list[RolloutBatch], outcomes: list[torch.Tensor], 
         raise ConfigError(f"Bradley-Terry reward model: no prompt among its {len(batches)} batches of pi_SFT samples has "
                           f"both a right and a wrong response, so there is no pair to rank; raise --orm-batches or "
                           f"--samples-per-prompt")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
     history = []
     bar = tqdm(range(steps), desc="ORM training", dynamic_ncols=True, leave=False, disable=not is_main())

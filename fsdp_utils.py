@@ -26,7 +26,6 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 class DistInfo:
     rank: int
     world_size: int
-    local_rank: int
     device: torch.device
 
 
@@ -47,7 +46,7 @@ def init_distributed(cpu_collectives: bool = False) -> DistInfo:
     if "RANK" not in os.environ and torch.cuda.is_available():
         launch_as_one_rank()
     if "RANK" not in os.environ:
-        return DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+        return DistInfo(rank=0, world_size=1, device=torch.device("cpu"))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
@@ -60,7 +59,7 @@ def init_distributed(cpu_collectives: bool = False) -> DistInfo:
     _gloo_threads = "gloo" in dist.get_backend()  # cpu:gloo,cuda:nccl (--cpu-offload) runs gloo too
     if _patient_group is None:  # made by every rank at the same point, as new_group must be
         _patient_group = dist.new_group(backend="gloo", timeout=PATIENT_TIMEOUT)
-    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
+    return DistInfo(dist.get_rank(), dist.get_world_size(), device)
 
 
 def attention_without_cudnn() -> None:

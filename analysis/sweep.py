@@ -92,7 +92,7 @@ def cell_dir(args: Args, cell: str) -> str:
     return args.out_dir if cell == "default" else os.path.join(args.root, cell)
 
 
-def link_caches(cell_out_dir: str, base_flags: list[str], cell_flags: list[str]) -> None:
+def link_caches(base_flags: list[str], cell_flags: list[str]) -> None:
     """Link the base out-dir's pi_SFT (same SFT settings) and ORM (same ORM settings, which
     include the generation limit) into the cell's _shared/, unless the cell already has its own."""
     base, cell = parse_config(base_flags), parse_config(cell_flags)
@@ -121,7 +121,7 @@ def plan(args: Args, train_flags: list[str]) -> dict[str, list[ablation.Run]]:
         out_dir = cell_dir(args, cell)
         flags = ["--preset", "tiny-long", *CELLS[cell], *train_flags]
         if not args.read_only:
-            link_caches(out_dir, base_flags, ["--out-dir", out_dir, *flags])
+            link_caches(base_flags, ["--out-dir", out_dir, *flags])
         grid = ablation.Args(out_dir=out_dir, variants=RUNS, seeds=args.seeds)
         runs[cell] = ablation.plan_runs(grid, flags)
     return runs

@@ -1,6 +1,6 @@
 """Model FLOPs utilisation of the PPO actor update on one GPU (a CUDA benchmark).
 
-The update is `ppo.update_model` with `train.actor_loss` on a Qwen2.5-1.5B-shaped model with
+The update is `ppo_update.update_model` with `train.actor_loss` on a Qwen2.5-1.5B-shaped model with
 random weights (built on the GPU), prepared as `train.py` prepares it (`fsdp_utils.shard_model`: FSDP2 over a
 group of one rank, bf16 compute with float32 parameters and reduction, activation checkpointing;
 SDPA without cuDNN, as `fsdp_utils.init_distributed` sets it for every GPU process).

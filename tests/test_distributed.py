@@ -855,7 +855,7 @@ def test_one_cpu_process_without_torchrun_joins_no_process_group(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     try:
         info = fsdp_utils.init_distributed()
-        assert info == fsdp_utils.DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+        assert info == fsdp_utils.DistInfo(rank=0, world_size=1, device=torch.device("cpu"))
         assert "RANK" not in os.environ and not dist.is_initialized()
     finally:
         if dist.is_initialized():  # left by a broken init_distributed: not for the next test

@@ -36,11 +36,11 @@ def test_a_cell_links_pi_sft_and_links_the_orm_only_when_its_settings_are_the_ce
     base_flags = ["--out-dir", str(base), "--preset", "tiny-long"]
     for cell, orm_shared in (("actor-lr-2e-4", True), ("max-new-tokens-560", False)):
         out = tmp_path / "sweep" / cell
-        sweep.link_caches(str(out), base_flags, ["--out-dir", str(out), "--preset", "tiny-long", *sweep.CELLS[cell]])
+        sweep.link_caches(base_flags, ["--out-dir", str(out), "--preset", "tiny-long", *sweep.CELLS[cell]])
         assert (out / "_shared" / "sft-long").resolve() == (base / "_shared" / "sft-long").resolve()
         assert (out / "_shared" / "orm-long").exists() == orm_shared  # the generation limit is an ORM setting
     other_task = tmp_path / "short"
-    sweep.link_caches(str(other_task), base_flags, ["--out-dir", str(other_task), "--preset", "tiny-long",
+    sweep.link_caches(base_flags, ["--out-dir", str(other_task), "--preset", "tiny-long",
                                                     "--task-length", "short"])
     assert not (other_task / "_shared").exists()
 

@@ -148,7 +148,7 @@ def whiten(x, mask):
 
 
 def record_update_model(calls, metrics=None):
-    """A stand-in for ppo.update_model that keeps what each model's update would be given."""
+    """A stand-in for ppo_update.update_model that keeps what each model's update would be given."""
 
     def update_model(cfg, model, optimizer, batch, per_token, loss_fn, seed, prefix):
         calls[prefix] = SimpleNamespace(model=model, batch=batch, loss_fn=loss_fn, seed=seed,
