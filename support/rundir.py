@@ -52,9 +52,10 @@ MAY_CHANGE = ("resume", "overwrite", "out_dir", "threads", "steps", "save_every"
               "grader_timeout_s", "wandb_project", "micro_batch_size", "activation_checkpointing", "cpu_offload",
               "gpu_memory_utilization", "checkpoint_fraction", "micro_batch_tokens", "logprob_chunk_tokens",
               "compile_layers")
-# What a rerun takes from the run directory instead of computing it again: never without the
-# config.json that says which settings made it.
-REUSED = ("eval_sft.json", "value_pretrain", "checkpoint", "checkpoint.tmp", "checkpoint.old", "checkpoint.damaged")
+# What a rerun takes from the run directory instead of computing it again (or, metrics.jsonl, keeps up
+# to the step it resumes from): never without the config.json that says which settings made it.
+REUSED = ("eval_sft.json", "value_pretrain", "checkpoint", "checkpoint.tmp", "checkpoint.old", "checkpoint.damaged",
+          "metrics.jsonl")
 
 
 @contextlib.contextmanager

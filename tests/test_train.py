@@ -1135,3 +1135,7 @@ def test_a_run_directory_is_checked_before_anything_is_written_to_it(tmp_path):
     (tmp_path / "r" / "value_pretrain").mkdir(parents=True)
     with pytest.raises(config.ConfigError, match="r holds value_pretrain but no config.json"):
         rundir.check(cfg)
+    (tmp_path / "r" / "value_pretrain").rmdir()
+    (tmp_path / "r" / "metrics.jsonl").write_text('{"step": 0}\n')  # a log not to be written over in silence
+    with pytest.raises(config.ConfigError, match="r holds metrics.jsonl but no config.json, the settings it was made"):
+        rundir.check(cfg)
