@@ -6,14 +6,15 @@ carry a `difficulty` (the built-in task) get accuracy and length per difficulty 
 users' data, scores per data source (`val_metrics`: the `val/<data source>/...` metrics).
 
 train.py evaluates pi_SFT and the trained policy. A model alone (a run's actor_hf/, a snapshot, any
-Hugging Face checkpoint) is evaluated on the held-out set that train.py evaluates with the same flags:
+Hugging Face checkpoint) is evaluated on the held-out set that train.py evaluates with the same flags,
+with the same draws at the same world size (each rank samples its share):
 
     python evaluate.py --model runs/<run>/actor_hf                # the built-in task's held-out set
     python evaluate.py --model PATH --data train.jsonl --val-data aime.jsonl math500.jsonl --eval-samples 32
 
 It takes train.py's flags (those of the data, of sampling and of evaluation count; the rest change
 nothing), prints the scores per held-out set and writes them, with the first samples' texts, to
-<out-dir>/eval/<the model's folder>.json.
+<out-dir>/eval/<the model's path under --out-dir, '/' as '__'>.json (runs/eval/<run>__actor_hf.json).
 """
 
 from __future__ import annotations
@@ -174,12 +175,15 @@ def main(cfg) -> dict:
     if cfg.model is None:
         raise ConfigError("evaluate.py needs --model: a Hugging Face checkpoint, such as a run's actor_hf/")
     dist_info = train.start(cfg)
-    path, tokenizer, (_, held_out), actor = train.policy_and_data(cfg, dist_info)
+    path, tokenizer, (_, held_out), actor = train.policy_and_data(cfg, dist_info, critic=False)  # sampled only
     with Grader(num_workers=cfg.grader_workers, timeout_s=cfg.grader_timeout_s) as grader:
         sampler = eval_sampler(Sampler(cfg, train.build_engine(cfg, actor, path, tokenizer), tokenizer, grader))
         result = evaluate(sampler, held_out, "model")
     model_dir = os.path.realpath(cfg.model)
-    out = os.path.join(cfg.out_dir, "eval", "__".join(model_dir.split(os.sep)[-2:]) + ".json")
+    # Named by its path under --out-dir (runs/a/actor_hf_steps/step_10: a__actor_hf_steps__step_10), else whole.
+    inside = os.path.relpath(model_dir, os.path.realpath(cfg.out_dir))
+    name = model_dir.strip(os.sep) if inside.startswith("..") else inside
+    out = os.path.join(cfg.out_dir, "eval", name.replace(os.sep, "__") + ".json")
     if is_main():
         settings = {"model": model_dir, "data": cfg.data, "val_data": cfg.val_data, "samples": cfg.eval_samples,
                     "temperature": sampler.cfg.temperature, "max_new_tokens": sampler.cfg.max_new_tokens,

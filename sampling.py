@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from fsdp_utils import is_main, wait_patiently
 from rollout import RolloutBatch, decode_responses
-from reward import Grader, response_outcomes, terminal_rewards
+from reward import Grader, last_boxed, response_outcomes, terminal_rewards
 
 
 @dataclasses.dataclass
@@ -61,13 +61,20 @@ class Sampler:
         outcomes = response_outcomes(verdicts, batch.truncated, cfg.truncation_reward)
         token_rewards = terminal_rewards(outcomes, batch.response_mask)
         seconds = {"rollout": generated - start, "reward": time.perf_counter() - generated}
-        # A user's prompts that ask for '#### answer' (verl's GSM8K) or for nothing: every reward -1.
-        if (getattr(cfg, "data", None) and "missing_box" not in self.notes_given and len(texts) >= 8
-                and graded.num_missing_box >= 0.9 * len(texts)):
-            self.notes_given.add("missing_box")
-            if is_main():
-                tqdm.write(f"note: {graded.num_missing_box} of {len(texts)} responses hold no \\boxed{{...}}, the only "
-                           f"answer the grader reads (scored -1): ask for one in the prompt (--prompt-template "
-                           f"'{{prompt}} ... put your final answer within \\boxed{{}}.')")
+        if getattr(cfg, "data", None) and "missing_box" not in self.notes_given:
+            self._note_missing_box(texts, batch.truncated)
         return ScoredBatch(batch, texts, outcomes, token_rewards, graded.num_timeouts, graded.num_missing_box,
                            seconds)
+
+    def _note_missing_box(self, texts: list[str], truncated: list[bool]) -> None:
+        """Once a run, where 90% of a batch's complete responses (8 at least) hold no boxed answer: a
+        user's prompts that ask for '#### answer' (verl's GSM8K) or for nothing, every reward -1. A
+        response cut at max_new_tokens is left out: it holds none for want of room, not of asking."""
+        complete = [text for text, cut in zip(texts, truncated) if not cut]
+        missing = sum(last_boxed(text) is None for text in complete)
+        if len(complete) >= 8 and missing >= 0.9 * len(complete):
+            self.notes_given.add("missing_box")
+            if is_main():
+                tqdm.write(f"note: {missing} of {len(complete)} complete responses hold no \\boxed{{...}}, the only "
+                           f"answer the grader reads (scored -1): ask for one in the prompt (--prompt-template "
+                           f"'{{prompt}} ... put your final answer within \\boxed{{}}.')")

@@ -274,10 +274,11 @@ def left_behind(run_dir: str) -> str:
     return f"{rundir.last_checkpoint(run_dir)} Finished stages are kept; resume with the same command and --resume"
 
 
-def policy_and_data(cfg: Config, dist_info) -> tuple:
+def policy_and_data(cfg: Config, dist_info, critic: bool = True) -> tuple:
     """(pi_SFT's path, its tokenizer, the (train, held-out) records, the actor loaded from it): pi_SFT
-    is --model (checked) or the built-in task's, trained once. What PPO and evaluate.py start from."""
-    sft_path = prepare_sft(cfg)
+    is --model (checked, as a critic's backbone too unless `critic` is False) or the built-in task's,
+    trained once. What PPO and evaluate.py start from."""
+    sft_path = prepare_sft(cfg, critic)
     tokenizer = AutoTokenizer.from_pretrained(sft_path)
     try:  # no EOS or pad token: said before the data is read and the actor loaded (minutes at 32B)
         stop_and_pad_ids(tokenizer, None)

@@ -520,13 +520,17 @@ PATH_FLAGS = ("model", "data", "val_data")
 
 
 def _paths_resolved(settings: dict) -> dict:
-    """`settings` with the paths of PATH_FLAGS as absolute paths, links resolved: models/m, ./models/m/
-    and /home/me/models/m name one model (a relative path taken from where the command runs)."""
+    """`settings` with the paths of PATH_FLAGS, and those input_files names its files by, as absolute
+    paths, links resolved: models/m, ./models/m/ and /home/me/models/m name one model (a relative path
+    taken from where the command runs)."""
     def resolved(path):
         return os.path.realpath(path) if isinstance(path, str) else path
 
-    return settings | {k: [resolved(p) for p in v] if isinstance(v, list) else resolved(v)
-                       for k, v in settings.items() if k in PATH_FLAGS}
+    paths = {k: [resolved(p) for p in v] if isinstance(v, list) else resolved(v)
+             for k, v in settings.items() if k in PATH_FLAGS}
+    if isinstance(settings.get("input_files"), dict):  # rundir.input_files: {file as given: its digest}
+        paths["input_files"] = {resolved(p): digest for p, digest in settings["input_files"].items()}
+    return settings | paths
 
 
 def _difference(key: str, stored: dict, wanted: dict) -> str:
@@ -534,7 +538,7 @@ def _difference(key: str, stored: dict, wanted: dict) -> str:
     if key not in stored:
         return f"--{key.replace('_', '-')} (not recorded) -> {wanted[key]!r}"
     if key == "input_files" and isinstance(stored[key], dict) and isinstance(wanted[key], dict):
-        old, new = stored[key], wanted[key]
+        old, new = (_paths_resolved(settings)[key] for settings in (stored, wanted))
         changed = [f"{path} {'changed' if path in old and path in new else 'added' if path in new else 'gone'}"
                    for path in sorted(old.keys() | new.keys()) if old.get(path) != new.get(path)]
         return f"the input files ({', '.join(changed)})"

@@ -220,7 +220,7 @@ def check_model(path: str, weights: bool = True, positions: int | None = None, c
 
     if not (root / "config.json").is_file():
         # A hub name (Qwen/Qwen2.5-0.5B-Instruct) reads as a local folder that is not there: say so.
-        hub = not root.exists() and path.count("/") == 1 and not path.startswith((".", "/"))
+        hub = not root.parent.exists() and path.count("/") == 1 and not path.startswith((".", "/"))
         raise ModelError(f"{where}: no Hugging Face checkpoint there (no config.json)" + (
             f"; hub names are not downloaded: download it first (hf download {path} --local-dir DIR) "
             f"and pass the directory" if hub else ""))
@@ -324,13 +324,14 @@ def sft_config(cfg) -> SFTConfig:
                      min_difficulty=shape.sft_difficulty[0], max_difficulty=shape.sft_difficulty[1])
 
 
-def prepare_sft(cfg) -> str:
-    """The pi_SFT of a run (`train.py`'s first stage): `cfg.model` when given (checked), else the
+def prepare_sft(cfg, critic: bool = True) -> str:
+    """The pi_SFT of a run (`train.py`'s first stage): `cfg.model` when given (checked, and as a
+    critic's backbone too where the run has one and `critic`), else the
     built-in task's cold start (of `cfg.task_length`), trained once into `sft_cache_path`
     (`cfg.sft_steps` steps, None: the default) and reused by every later run whose settings it was made with (a cached
     stage, `rundir.build_once`)."""
     if cfg.model is not None:
-        check_model(cfg.model, positions=positions_needed(cfg), critic=cfg.estimator == "gae")
+        check_model(cfg.model, positions=positions_needed(cfg), critic=critic and cfg.estimator == "gae")
         return cfg.model
     path = Path(sft_cache_path(cfg))
     wanted = sft_config(cfg)

@@ -325,7 +325,7 @@ def test_a_hub_name_as_model_says_it_is_not_downloaded(tmp_path, monkeypatch):
                                          r"\(hf download Qwen/Qwen2\.5-0\.5B-Instruct --local-dir DIR\) and pass"):
         check_model("Qwen/Qwen2.5-0.5B-Instruct")
     (tmp_path / "models" / "mine").mkdir(parents=True)
-    for path in ("models/mine", "./Qwen/Qwen2.5", "/no/such", "a/b/c"):
+    for path in ("models/mine", "models/typo", "./Qwen/Qwen2.5", "/no/such", "a/b/c"):  # typo: models/ is there
         with pytest.raises(ModelError, match=r"\(no config\.json\)$"):
             check_model(path)
 

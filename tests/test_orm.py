@@ -1,6 +1,7 @@
 """critic.py's outcome reward model (training, scoring) and sampling.py's outcomes on the last token."""
 
 import dataclasses
+import itertools
 from types import SimpleNamespace
 
 import pytest
@@ -215,30 +216,35 @@ def test_sample_and_score_puts_the_outcome_on_the_last_valid_token_and_scores_cu
 
 def test_a_users_run_whose_responses_hold_no_box_is_told_once(capsys):
     """The grader reads only a \\boxed{} answer: where 90% of a batch of users' data holds none (verl's
-    GSM8K prompts ask for '#### answer'), one note says so, for the sampler and its evaluation copy."""
+    GSM8K prompts ask for '#### answer'), one note says so, for the sampler and its evaluation copy.
+    Responses cut at max_new_tokens hold none for want of room: they are left out of the count."""
     from evaluate import eval_sampler
     from support.config import Config
 
     batch, _ = _synthetic_batch(seed=5, batch_size=8)
     records = [{"prompt_ids": [3], "answer": "1"}] * 8
 
-    class NoBoxGrader(FixedGrader):
-        def grade(self, responses, answers):
-            return GradeResult(outcomes=list(self.outcomes), num_timeouts=0, num_missing_box=self.missing)
+    class TextTokenizer:  # the responses' texts, one per row, in turn
+        def __init__(self, texts):
+            self.texts = itertools.cycle(texts)
 
-    def notes(data, missing):
-        cfg = dataclasses.replace(Config(), data=data)
-        grader = NoBoxGrader([-1.0] * 8)
-        grader.missing = missing
-        sampler = Sampler(cfg, FixedRollout(batch), DigitTokenizer(), grader)
+        def decode(self, ids, skip_special_tokens=True):
+            return next(self.texts)
+
+    def notes(data, boxed, finish="stop"):
+        batch.finish_reasons = [finish] * 8
+        texts = ["so \\boxed{2}"] * boxed + ["#### 2"] * (8 - boxed)
+        sampler = Sampler(dataclasses.replace(Config(), data=data), FixedRollout(batch), TextTokenizer(texts),
+                          FixedGrader([-1.0] * 8))
         for s in (sampler, eval_sampler(sampler), sampler):
             s.sample_and_score(records, seed=0)
         return [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
 
-    said = notes("train.jsonl", missing=8)
-    assert len(said) == 1 and said[0].startswith("note: 8 of 8 responses hold no \\boxed{...}, the only answer")
-    assert notes("train.jsonl", missing=7) == []  # 7 of 8: below 90%
-    assert notes(None, missing=8) == []  # the built-in task: a pi_SFT not yet trained to box, no prompt to change
+    said = notes("train.jsonl", boxed=0)
+    assert len(said) == 1 and said[0].startswith("note: 8 of 8 complete responses hold no \\boxed{...}, the only")
+    assert notes("train.jsonl", boxed=1) == []  # 7 of 8: below 90%
+    assert notes("train.jsonl", boxed=0, finish="length") == []  # every one cut: no room to box, not the prompt
+    assert notes(None, boxed=0) == []  # the built-in task: a pi_SFT not yet trained to box, no prompt to change
 
 
 def test_sample_and_score_samples_with_the_runs_settings_and_the_given_seed():

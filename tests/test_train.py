@@ -523,6 +523,17 @@ def test_evaluate_py_scores_a_model_alone_as_train_py_scores_it_on_the_same_held
     assert table[-3].split()[:2] == ["held_out", f"{alone['pass@1']:.3f}"]
     with pytest.raises(config.ConfigError, match=r"evaluate.py needs --model"):
         evaluate.main(micro_config(out_dir))
+    # A model no critic can be built on (OPT: transformers has no token-classification OPT) is only
+    # sampled here, so it is not refused for that; its own attention mask needs --rollout hf.
+    from transformers import OPTConfig, OPTForCausalLM
+
+    opt = out_dir / "opt"
+    OPTForCausalLM(OPTConfig(vocab_size=74, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, ffn_dim=32,
+                             word_embed_proj_dim=16, max_position_embeddings=1024)).save_pretrained(opt)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(sft, name), opt / name)
+    assert 0 <= evaluate.main(micro_config(out_dir, "--model", str(opt), "--rollout", "hf"))["pass@1"] <= 1
+    assert (out_dir / "eval" / "opt.json").exists()
 
 
 def test_runs_that_differ_only_after_value_pretraining_share_the_pretrained_critic(out_dir, sft, monkeypatch):
@@ -1057,8 +1068,9 @@ def test_a_settings_refusal_names_every_changed_setting_as_a_flag():
     with pytest.raises(config.ConfigError) as refusal:
         config.check_settings("here", {"input_files": {"m/w": "1", "d.jsonl": "2", "v.jsonl": "3"}},
                               {"input_files": {"m/w": "1", "d.jsonl": "9", "w.jsonl": "4"}})
-    assert str(refusal.value) == ("here was made with other settings (the input files (d.jsonl changed, v.jsonl gone, "
-                                  "w.jsonl added)); delete it")
+    cwd = os.path.realpath(".")  # named as resolved paths, as they are compared
+    assert str(refusal.value) == (f"here was made with other settings (the input files ({cwd}/d.jsonl changed, "
+                                  f"{cwd}/v.jsonl gone, {cwd}/w.jsonl added)); delete it")
 
 
 def test_a_path_spelt_another_way_is_the_same_setting_and_another_path_is_not(tmp_path, monkeypatch):
@@ -1071,6 +1083,11 @@ def test_a_path_spelt_another_way_is_the_same_setting_and_another_path_is_not(tm
                                            "val_data": (str(tmp_path / "v.jsonl"),)})  # no refusal
     with pytest.raises(config.ConfigError, match=r"\(--model 'models/m' -> 'models/other'\)"):
         config.check_settings("here", stored, {**stored, "model": "models/other"})
+    # The stamps of a cached stage (value pretraining, the ORM) name the files as the run gave them.
+    digests = {"input_files": {"models/m/config.json": "1"}}
+    config.check_settings("stage", digests, {"input_files": {f"{tmp_path}/link/m/config.json": "1"}})  # no refusal
+    with pytest.raises(config.ConfigError, match=r"the input files \(.*models/m/config.json changed\)"):
+        config.check_settings("stage", digests, {"input_files": {"./models/m/config.json": "2"}})
 
 
 def test_a_tuple_setting_matches_the_list_it_was_stored_as(tmp_path):
