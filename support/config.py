@@ -396,7 +396,7 @@ class Config:
             "sft_steps": (self.sft_steps is None or self.sft_steps >= 1, ">= 1, or unset"),
             # A run's own directory as --out-dir would put runs and caches inside it, where its
             # --overwrite or a resume's clean-up (a run named checkpoint) deletes them.
-            "out_dir": (not os.path.isfile(os.path.join(self.out_dir, "config.json")),
+            "out_dir": (not _is_run_directory(self.out_dir),
                         f"the folder that holds runs, not a run's directory (it holds config.json): for that run, "
                         f"--out-dir {os.path.dirname(os.path.abspath(self.out_dir))} "
                         f"--run-name {os.path.basename(os.path.abspath(self.out_dir))}"),
@@ -469,6 +469,16 @@ def _importable(module: str) -> bool:
     except ImportError:
         return False
     return True
+
+
+def _is_run_directory(path: str) -> bool:
+    """Whether `path` holds the config.json of a train.py run (not a model's, which holds one too)."""
+    try:
+        with open(os.path.join(path, "config.json"), "rb") as f:
+            saved = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(saved, dict) and {"run_name", "out_dir", "lam_actor"} <= saved.keys()
 
 
 def _why_no_files(spec: str | None, lead: str) -> str:

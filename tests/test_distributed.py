@@ -235,7 +235,8 @@ class Grader:
         return GradeResult(outcomes=[1.0] * len(texts), num_timeouts=0, num_missing_box=0)
 
 
-scored = Sampler(Config(), Engine(), Tokenizer(), Grader()).sample_and_score([{"prompt_ids": [1], "answer": "1"}] * 2, 0)
+sampler = Sampler(Config(), Engine(), Tokenizer(), Grader())
+scored = sampler.sample_and_score([{"prompt_ids": [1], "answer": "1"}] * 2, seed=0)
 total = fsdp_utils.all_reduce(scored.outcomes.sum())  # as PPO's forward would gather next
 with open(os.path.join(sys.argv[1], f"rank{info.rank}.json"), "w") as f:
     json.dump({"total": total.item()}, f)

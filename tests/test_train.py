@@ -376,8 +376,11 @@ def test_values_at_the_edge_of_their_range_are_accepted_and_flags_that_need_anot
     data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
     with_data = ["--model", "m", "--data", str(data)]
     (tmp_path / "run").mkdir()
-    (tmp_path / "run" / "config.json").write_text("{}")
+    (tmp_path / "run" / "config.json").write_text(json.dumps(dataclasses.asdict(config.Config())))  # a run's
     assert config.parse_config(["--out-dir", str(tmp_path)]).out_dir == str(tmp_path)  # the folder of runs
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text('{"model_type": "qwen2"}')  # a model's: not a run
+    assert config.parse_config(["--out-dir", str(tmp_path / "model")]).out_dir == str(tmp_path / "model")
     assert config.parse_config([*with_data, "--prompt-template", "Solve: {prompt}"]).data == str(data)
     for argv, refusal in [
         (["--data", str(data)], r"--data = .* \(must be .*with --model: the built-in pi_SFT knows only"),
