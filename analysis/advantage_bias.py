@@ -411,7 +411,8 @@ def markdown(r: BiasResult, paths: dict, gamma: float, seconds: dict) -> str:
         f"accuracy {ro['accuracy']:.3f}, truncated {ro['truncated']:.3f}. GAE with gamma = {gamma:g}; means over "
         f"the valid tokens of each bin of {r.bin_size} positions. Mean length in GAE horizons, length x "
         f"(1 - lambda): {horizons or 'n/a'}.", "",
-        "Critics: " + "; ".join(f"{LABELS[n]} = {paths[n]}" for n in CRITICS) + ". "
+        "Critics: " + "; ".join(f"{LABELS[n]} = {paths[n]}" if n in r.values else f"{LABELS[n]} skipped (no {paths[n]})"
+                                for n in CRITICS) + ". "
         "The SFT critic has a fresh N(0, 0.02) head (critic.load_value_model)"
         + (f", its values moved by {r.offset:+g} (--offset)" if r.offset else "") + ".", "",
         "| critic | lambda | Pearson r(A_t, t), token level | mean A_t, first bin ± 2 SE | first bin less its "

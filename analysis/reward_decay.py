@@ -10,7 +10,7 @@ so the figure checks the code as well as the formula.
     python analysis/reward_decay.py --lambdas 0.9 0.99 --max-distance 2000 --out /tmp/decay
 """
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import matplotlib
@@ -33,8 +33,9 @@ class Args:
     """GAE lambdas to plot"""
     max_distance: int = 5000
     """longest distance from the last token (the response has max_distance + 1 tokens)"""
-    table_distances: tuple[int, ...] = (10, 100, 1000, 5000)
-    """distances listed in the markdown table"""
+    table_distances: tuple[int, ...] | None = None
+    """distances listed in the markdown table; None: those of 10, 100, 1000, 5000 within --max-distance,
+    and --max-distance"""
 
 
 @dataclass
@@ -121,6 +122,9 @@ def markdown(c: DecayCurves, table_distances: tuple[int, ...], seconds: float) -
 
 def main(args: Args) -> None:
     torch.set_num_threads(min(2, torch.get_num_threads()))
+    if args.table_distances is None:
+        args = replace(args, table_distances=tuple(sorted({d for d in (10, 100, 1000, 5000) if d <= args.max_distance}
+                                                          | {args.max_distance})))
     if any(not 0 <= d <= args.max_distance for d in args.table_distances):
         raise ValueError(f"table_distances {args.table_distances} must lie in [0, max_distance={args.max_distance}]")
     start = time.perf_counter()

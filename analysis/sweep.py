@@ -265,13 +265,18 @@ def main(args: Args, train_flags: list[str]) -> dict:
     if not args.read_only:
         run_missing(runs, args.jobs)
     results = measure(runs)
+    total = sum(len(r["seeds"]) for r in results.values())
+    if not any(finished(r["seeds"]) for r in results.values()):  # a table of nothing would replace one of runs
+        print(f"0 of {total} cell-seeds finished under {args.root} (and {args.out_dir}): nothing written, "
+              f"{args.out} left as it is")
+        return results
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "sweep.md").write_text(markdown(results, train_flags))
     rundir.write_json(str(args.out / "sweep.json"), results)  # NaN as null
     drawn = plot(results, args.out / "sweep.png")
     print((args.out / "sweep.md").read_text())
     count = sum(len(finished(r["seeds"])) for r in results.values())
-    print(f"{count} of {sum(len(r['seeds']) for r in results.values())} cell-seeds finished; "
+    print(f"{count} of {total} cell-seeds finished; "
           f"wrote {args.out}/sweep.md, .json{' and .png' if drawn else ' (no .png: nothing to draw)'}")
     return results
 

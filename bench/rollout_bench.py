@@ -50,7 +50,7 @@ every timing), the K/V counted at 2 bytes. "cpu s" is no guide there: a synchron
 spinning on the host, so it equals the wall time. --profile then also prints how busy the GPU was
 (its kernels' time over the profiled call's wall time), the kernels that took the most of it; on
 either device it lists the attention operators that ran (which SDPA backend served the call).
-The last line:
+The last line, where both `hf` and `hf-fast` ran:
     rollout new_tokens_per_s=<a> hf_generate_tokens_per_s=<b> speedup=<a/b> floor_fraction=<f>
 """
 
@@ -160,6 +160,9 @@ def measure(args) -> list[dict]:
     torch.set_num_threads(args.threads)
     if args.checkpoint:
         from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if not os.path.isfile(os.path.join(args.checkpoint, "config.json")):  # not a hub name: nothing downloads
+            raise SystemExit(f"--checkpoint {args.checkpoint}: no Hugging Face checkpoint there (no config.json)")
 
         tokenizer = AutoTokenizer.from_pretrained(args.checkpoint)
         model = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=torch.float32).eval()

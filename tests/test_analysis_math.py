@@ -106,6 +106,11 @@ def test_scripts_write_png_and_markdown(tmp_path):
     for name in ("reward_decay", "eq8_check"):
         assert (tmp_path / f"{name}.png").stat().st_size > 1000
         assert "|" in (tmp_path / f"{name}.md").read_text()
+    # The docstring's --max-distance 2000 alone: its table stops there (the default 5000 was refused).
+    reward_decay.main(reward_decay.Args(out=tmp_path, lambdas=(0.9,), max_distance=2000))
+    rows = [line.split(" |")[0] for line in (tmp_path / "reward_decay.md").read_text().splitlines()]
+    listed = [r for r in rows if r in ("| 10", "| 100", "| 1000", "| 2000", "| 5000")]
+    assert listed == ["| 10", "| 100", "| 1000", "| 2000"]
 
 
 def test_a_response_cut_at_the_horizon_scores_minus_one_and_the_others_their_coin():

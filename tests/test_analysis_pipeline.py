@@ -125,7 +125,9 @@ def test_a_critic_train_py_has_not_made_is_skipped_and_named_in_the_report(run_r
     shutil.rmtree(root / RUN / "value_pretrain" / "critic")  # the run's own path, no flag: not trained yet
     result = run_bias(root, tmp_path, rollouts=2)
     assert set(result.skipped) == {"pretrained"} and set(result.values) == {"orm", "orm-bt", "sft"}
-    assert f"no checkpoint at {root / RUN / 'value_pretrain' / 'critic'}" in (tmp_path / "advantage_bias.md").read_text()
+    report = (tmp_path / "advantage_bias.md").read_text()
+    assert f"no checkpoint at {root / RUN / 'value_pretrain' / 'critic'}" in report
+    assert f"skipped (no {root / RUN / 'value_pretrain' / 'critic'})" in report  # not listed among those measured
 
 
 def test_missing_sft_and_bad_sizes_raise_value_error(run_root, tmp_path):

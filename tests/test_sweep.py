@@ -108,16 +108,19 @@ def test_the_table_says_the_flags_after_the_dashes_that_may_override_a_cells(tmp
     assert "then the flags after `--`: --steps 2." in md and "| default | `--steps 50` | 0 | 2 |" in md
 
 
-def test_with_nothing_finished_it_leaves_no_figure_and_does_not_say_it_wrote_one(tmp_path, capsys):
-    """It printed 'wrote ... .png' and left no figure, or an earlier one of other runs."""
+def test_with_nothing_finished_it_writes_nothing_over_the_results_there(tmp_path, capsys):
+    """`--read-only --out results/sweep` in a clone without the runs replaced the committed table with an
+    empty one and removed its figure."""
     out = tmp_path / "out"
     out.mkdir()
-    (out / "sweep.png").write_bytes(b"an earlier figure")
+    for name in ("sweep.md", "sweep.json", "sweep.png"):
+        (out / name).write_text(f"an earlier {name}")
     args = sweep.Args(cells=("default",), out_dir=str(tmp_path / "base"), root=str(tmp_path / "sweep"), out=out,
                       read_only=True)
     sweep.main(args, [])
-    assert not (out / "sweep.png").exists()
-    assert capsys.readouterr().out.strip().endswith("sweep.md, .json (no .png: nothing to draw)")
+    assert [(out / name).read_text() for name in ("sweep.md", "sweep.json", "sweep.png")] == [
+        "an earlier sweep.md", "an earlier sweep.json", "an earlier sweep.png"]
+    assert capsys.readouterr().out.strip().endswith(f"nothing written, {out} left as it is")
 
 
 def test_no_seed_or_no_cell_is_an_error_before_anything_trains(tmp_path, monkeypatch):
