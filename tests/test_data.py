@@ -159,7 +159,7 @@ def test_unreadable_parquet_and_empty_splits_are_data_errors(tmp_path):
         load_records(tmp_path / "d.parquet", char_tokenizer())
     cfg = SimpleNamespace(data=str(write_jsonl(tmp_path / "d.jsonl", GOOD)), prompt_key="prompt",
                           answer_key="answer", max_prompt_tokens=64, skip_bad_records=False, eval_fraction=0.1,
-                          val_data=None, prompt_template=None, answer_format=None)
+                          val_data=None, prompt_template=None, answer_format=None, prompt_format=None)
     with pytest.raises(DataError, match="3 records leave 3 for training and 0 held out"):
         prepare_data(cfg, char_tokenizer())  # round(3 * 0.1) = 0 held out
 
@@ -174,7 +174,7 @@ def test_records_all_skipped_say_why_the_first_was(tmp_path, capsys):
     rows = [{"question": g["prompt"], "answer": g["answer"]} for g in GOOD]
     cfg = SimpleNamespace(data=str(write_jsonl(tmp_path / "d.jsonl", rows)), prompt_key="prompt",
                           answer_key="answer", max_prompt_tokens=64, skip_bad_records=True, eval_fraction=0.5,
-                          val_data=None, prompt_template=None, answer_format=None)
+                          val_data=None, prompt_template=None, answer_format=None, prompt_format=None)
     with pytest.raises(DataError, match=r"d\.jsonl: no usable records \(3 malformed skipped, 0 over "
                                         r"--max-prompt-tokens 64; the first skipped: .*d\.jsonl:1: missing field 'prompt' "
                                         r"\(its fields: 'question', 'answer'\)\)"):
