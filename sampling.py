@@ -62,17 +62,20 @@ class Sampler:
         token_rewards = terminal_rewards(outcomes, batch.response_mask)
         seconds = {"rollout": generated - start, "reward": time.perf_counter() - generated}
         if getattr(cfg, "data", None) and "missing_box" not in self.notes_given:
-            self._note_missing_box(texts, batch.truncated)
+            self._note_missing_box(texts, batch.truncated, graded.num_missing_box)
         return ScoredBatch(batch, texts, outcomes, token_rewards, graded.num_timeouts, graded.num_missing_box,
                            seconds)
 
-    def _note_missing_box(self, texts: list[str], truncated: list[bool]) -> None:
+    def _note_missing_box(self, texts: list[str], truncated: list[bool], missing_in_all: int) -> None:
         """Once a run, where 90% of a batch's complete responses (8 at least) hold no boxed answer: a
         user's prompts that ask for '#### answer' (verl's GSM8K) or for nothing, every reward -1. A
-        response cut at max_new_tokens is left out: it holds none for want of room, not of asking."""
+        response cut at max_new_tokens is left out: it holds none for want of room, not of asking.
+        `missing_in_all`: the grader's count over every response, an upper bound on the complete ones'."""
         complete = [text for text, cut in zip(texts, truncated) if not cut]
+        if len(complete) < 8 or missing_in_all < 0.9 * len(complete):  # the usual batch: no box searched again
+            return
         missing = sum(last_boxed(text) is None for text in complete)
-        if len(complete) >= 8 and missing >= 0.9 * len(complete):
+        if missing >= 0.9 * len(complete):
             self.notes_given.add("missing_box")
             if is_main():
                 tqdm.write(f"note: {missing} of {len(complete)} complete responses hold no \\boxed{{...}}, the only "

@@ -219,10 +219,16 @@ def test_a_users_run_whose_responses_hold_no_box_is_told_once(capsys):
     GSM8K prompts ask for '#### answer'), one note says so, for the sampler and its evaluation copy.
     Responses cut at max_new_tokens hold none for want of room: they are left out of the count."""
     from evaluate import eval_sampler
+    from reward import last_boxed
     from support.config import Config
 
     batch, _ = _synthetic_batch(seed=5, batch_size=8)
     records = [{"prompt_ids": [3], "answer": "1"}] * 8
+
+    class BoxCountingGrader(FixedGrader):  # as the Grader counts: responses without a box, cut ones too
+        def grade(self, responses, answers):
+            return GradeResult(outcomes=list(self.outcomes), num_timeouts=0,
+                               num_missing_box=sum(last_boxed(r) is None for r in responses))
 
     class TextTokenizer:  # the responses' texts, one per row, in turn
         def __init__(self, texts):
@@ -235,7 +241,7 @@ def test_a_users_run_whose_responses_hold_no_box_is_told_once(capsys):
         batch.finish_reasons = [finish] * 8
         texts = ["so \\boxed{2}"] * boxed + ["#### 2"] * (8 - boxed)
         sampler = Sampler(dataclasses.replace(Config(), data=data), FixedRollout(batch), TextTokenizer(texts),
-                          FixedGrader([-1.0] * 8))
+                          BoxCountingGrader([-1.0] * 8))
         for s in (sampler, eval_sampler(sampler), sampler):
             s.sample_and_score(records, seed=0)
         return [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
