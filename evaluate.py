@@ -20,6 +20,7 @@ nothing), prints the scores per held-out set and writes them, with the first sam
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import sys
@@ -37,6 +38,7 @@ from reward import Grader
 from sampling import Sampler
 
 SHOWN_SAMPLES = 8  # the summary keeps the texts of the first samples, all from the first records
+HELD_OUT_DIGEST = "held_out_digest"  # in evaluate_once's file: the records its scores are of
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -150,12 +152,20 @@ def eval_sampler(sampler: Sampler) -> Sampler:
 
 def evaluate_once(sampler: Sampler, records: list[dict], tag: str, path: str) -> dict:
     """`evaluate`, computed once and kept at `path` (pi_SFT's scores: a resumed 32B run would
-    otherwise sample the whole held-out set again); deterministic, like every draw here."""
+    otherwise sample the whole held-out set again); deterministic, like every draw here. The file
+    holds a digest of the held-out records it scored: where they changed since (a --val-data file
+    edited before a rerun), they are scored again, so that pi_SFT and the trained policy are always
+    compared on one set. A file written before the digest was kept is read as it is."""
+    digest = hashlib.sha256(json.dumps(records, sort_keys=True, default=str).encode()).hexdigest()[:16]
     if not any_rank(not os.path.exists(path)):  # every rank sees it (a shared filesystem may lag): all read
-        return read_json(path, "delete it to evaluate pi_SFT again")
+        kept = read_json(path, "delete it to evaluate pi_SFT again")
+        if not any_rank(kept.pop(HELD_OUT_DIGEST, digest) != digest):
+            return kept
+        if is_main():
+            print(f"note: the held-out records differ from those {path} scored: pi_SFT is evaluated again")
     result = json.loads(json.dumps(evaluate(sampler, records, tag)))  # as it will be read back
     if rank() == 0:
-        write_json(path, result)
+        write_json(path, {HELD_OUT_DIGEST: digest} | result)
     return result
 
 

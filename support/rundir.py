@@ -5,7 +5,8 @@ The run directory, <out_dir>/<run_name>/:
     .lock           while a run uses the directory, its process (`locked`): a second run on it stops.
     config.json     the settings. Rerunning or resuming with settings that change the experiment
                     stops (`prepare`): only the run's length and how it runs may change.
-    eval_sft.json   pi_SFT's held-out scores, computed once (`evaluate.evaluate_once`).
+    eval_sft.json   pi_SFT's held-out scores, computed once, and again for other held-out records
+                    (`evaluate.evaluate_once`).
     metrics.jsonl   one row per PPO step, plus TensorBoard events (`MetricsLog`).
     checkpoint/     actor, critic, optimizers, schedulers and step (`save` / `resume`), and
                     checkpoint.old/, the one before it, kept in case the newest is damaged (a

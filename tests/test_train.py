@@ -504,9 +504,19 @@ def test_a_hugging_face_snapshot_is_due_every_n_steps_but_after_the_last():
 def test_pi_sft_is_evaluated_once_per_run_directory(out_dir, sft):
     cfg = micro_config(out_dir, "--run-name", "eval-once", "--steps", "0", "--value-pretrain-steps", "0")
     first = train.main(cfg)["sft"]
-    assert json.loads((out_dir / "eval-once" / "eval_sft.json").read_text()) == first
-    (out_dir / "eval-once" / "eval_sft.json").write_text(json.dumps({**first, "pass@1": -1.0}))
-    assert train.main(cfg)["sft"]["pass@1"] == -1.0  # read back, not sampled again
+    kept_file = out_dir / "eval-once" / "eval_sft.json"
+    kept = json.loads(kept_file.read_text())
+    digest = kept.pop("held_out_digest")
+    assert kept == first
+    kept_file.write_text(json.dumps({"held_out_digest": digest, **first, "pass@1": -1.0}))
+    assert train.main(cfg)["sft"] == {**first, "pass@1": -1.0}  # read back, not sampled again
+    # Scores of other held-out records (a --val-data file edited before the rerun) are not reused.
+    kept_file.write_text(json.dumps({"held_out_digest": "0" * 16, **first, "pass@1": -1.0}))
+    assert train.main(cfg)["sft"] == first
+    assert json.loads(kept_file.read_text())["held_out_digest"] == digest
+    # A file written before the digest was kept is read as it is.
+    kept_file.write_text(json.dumps({**first, "pass@1": -1.0}))
+    assert train.main(cfg)["sft"]["pass@1"] == -1.0
 
 
 def test_evaluate_py_scores_a_model_alone_as_train_py_scores_it_on_the_same_held_out_set(out_dir, sft, capsys):
