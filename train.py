@@ -173,7 +173,8 @@ def ppo_step(cfg, step: int, sampler: Sampler, records: list[dict], models: dict
             clipped_critic_loss = functools.partial(critic_loss, clip=cfg.value_clip)
             metrics |= update_model(cfg, critic, optimizers["critic"], batch, per_token, clipped_critic_loss,
                                     seed=shuffle, prefix="critic")
-    return metrics | rollout_metrics(scored, per_token, advantages, scored.seconds | timings, cfg.gamma)
+    return metrics | rollout_metrics(scored, per_token, advantages, scored.seconds | timings, cfg.gamma,
+                                     cfg.max_new_tokens)
 
 
 def old_outputs(cfg, batch, actor, critic, reference) -> dict:

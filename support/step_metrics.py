@@ -1,10 +1,11 @@
 """What each PPO step logs (train.py), beside its losses: lengths, outcomes and timings, and the
 paper's diagnostics of the critic.
 
-- The mean advantage per quarter of each response, early to late (§3.1, Fig. 2): with an exact
-  critic it is 0 at every position; a critic that starts off biased tilts the early tokens.
+- The mean advantage per quarter of the response budget (token positions, early to late; §3.1,
+  Fig. 2): with an exact critic it is 0 at every position; a critic that starts off biased tilts
+  the early tokens.
 - The critic's error against the batch's Monte-Carlo return G_t (Eq. 5 at lambda = 1), over all
-  tokens and over each response's first quarter: at step 0, the critic's initial error, which value
+  tokens and over the budget's first quarter: at step 0, the critic's initial error, which value
   pretraining (§3.2) removes.
 - The mean advantage of each response's last token, which alone sees r - V(s_{L-1}), against the
   other tokens' (§3.3: what lambda_actor < 1 passes back from it).
@@ -23,14 +24,18 @@ from ppo import explained_variance
 from sampling import ScoredBatch
 from support.masked import masked_mean
 
-POSITION_BINS = 4  # advantage mean per quarter of each response, early to late (paper Fig. 2)
+POSITION_BINS = 4  # advantage mean per quarter of the response budget, early to late (paper Fig. 2)
 
 
-def position_bins(mask, bins: int = POSITION_BINS) -> list:
-    """The mask of each relative-position bin of the responses' tokens (early -> late)."""
-    lengths = mask.sum(-1, keepdim=True).clamp(min=1)
-    position = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
-    bin_of = (position * bins // lengths).clamp(max=bins - 1)
+def position_bins(mask, horizon: int, bins: int = POSITION_BINS) -> list:
+    """The mask of each bin of token positions, early -> late: `bins` equal parts of `horizon`, the
+    most tokens a response may hold (--max-new-tokens). Fixed positions, not shares of each
+    response's own length: whether a response reaches position t is part of s_t, so an exact
+    critic's advantages average 0 over any set of positions, while the first quarter of a
+    response's own length is chosen by the length still to come, on which the outcome depends
+    (its mean is not 0 even for an exact critic)."""
+    position = torch.arange(mask.shape[1], device=mask.device)
+    bin_of = (position * bins // max(horizon, 1)).clamp(max=bins - 1)
     return [mask * (bin_of == b) for b in range(bins)]
 
 
@@ -46,10 +51,11 @@ class TokenMeans(dict):
         self[name], self.tokens[name] = masked_mean(x, mask).item(), mask.sum().item()
 
 
-def critic_error_metrics(scored: ScoredBatch, values, advantages, gamma: float, means: TokenMeans) -> dict:
+def critic_error_metrics(scored: ScoredBatch, values, advantages, gamma: float, horizon: int,
+                         means: TokenMeans) -> dict:
     """How far the critic is from this batch's Monte-Carlo return G_t, and what that does to the
-    advantages (§3.1): the mean of V(s_t) - G_t over all response tokens and over each response's
-    first quarter (at step 0, the critic's initial error), and the mean advantage (before whitening)
+    advantages (§3.1): the mean of V(s_t) - G_t over all response tokens and over the first quarter
+    of the positions a response may reach, `horizon` (at step 0, the critic's initial error), and the mean advantage (before whitening)
     of the last token, which alone sees r - V(s_{L-1}), against the rest. Returns the explained
     variance of G_t: `critic/vf_explained_var` scores V against the run's own targets, which at
     lambda_critic < 1 are built from V itself, so only this one compares critics across runs."""
@@ -59,16 +65,18 @@ def critic_error_metrics(scored: ScoredBatch, values, advantages, gamma: float, 
     last[torch.arange(len(mask), device=mask.device), scored.batch.lengths - 1] = 1.0
     error = values - mc_return
     means.add("critic/value_error/all", error, mask)
-    means.add("critic/value_error/first_quarter", error, position_bins(mask)[0])
+    means.add("critic/value_error/first_quarter", error, position_bins(mask, horizon)[0])
     means.add("advantage/last_token", advantages, last)
     means.add("advantage/other_tokens", advantages, mask - last)
     ev = explained_variance(values, mc_return, mask, total=fsdp_utils.all_reduce)
     return {"critic/value_error/explained_var": ev.item()}
 
 
-def rollout_metrics(scored: ScoredBatch, per_token: dict, advantages, timings: dict, gamma: float) -> dict:
+def rollout_metrics(scored: ScoredBatch, per_token: dict, advantages, timings: dict, gamma: float,
+                    horizon: int) -> dict:
     """Lengths, outcomes, advantages (before whitening, which centres them), the critic's values
-    before the update, and timings; reduced over ranks (update_model's metrics already are)."""
+    before the update, and timings; reduced over ranks (update_model's metrics already are).
+    `horizon`: the most tokens a response may hold (`position_bins`)."""
     batch, mask = scored.batch, scored.batch.response_mask
     lengths = batch.lengths.float()
     metrics = {
@@ -90,8 +98,8 @@ def rollout_metrics(scored: ScoredBatch, per_token: dict, advantages, timings: d
         # Over every rank's tokens: a rank whose returns were all equal (undefined there) must not make it NaN.
         metrics["critic/vf_explained_var"] = explained_variance(values, per_token["returns"], mask,
                                                                 total=fsdp_utils.all_reduce).item()
-        metrics |= critic_error_metrics(scored, values, advantages, gamma, means)
-    for b, in_bin in enumerate(position_bins(mask)):
+        metrics |= critic_error_metrics(scored, values, advantages, gamma, horizon, means)
+    for b, in_bin in enumerate(position_bins(mask, horizon)):
         means.add(f"advantage/pos_bin{b}", advantages, in_bin)
     metrics |= {f"timing_s/{k}": v for k, v in timings.items()}
     metrics["timing_s/step"] = sum(timings.values())

@@ -846,6 +846,37 @@ def test_the_critic_offset_moves_every_first_step_value_by_exactly_the_offset(ou
     assert rows["-2"]["advantage/last_token"] - rows["0"]["advantage/last_token"] == pytest.approx(2.0, abs=1e-4)
 
 
+def test_position_metrics_are_zero_for_an_exact_critic_when_the_outcome_decides_the_length():
+    """Fig. 2's bins are token positions, not shares of each response's length. A task where the
+    second token decides everything: "a" (half the time) ends the response at 3 tokens with reward
+    +1, "b" at 12 tokens with -1. The exact critic V(s_0) = V(s_1) = 0, then +-1, gives A_1 = +-1,
+    A_0 = +-lambda and 0 elsewhere, so every position's mean advantage is 0 and so must be every
+    bin's; the first quarter of each response's own length (a: t = 0; b: t <= 2) would read -1/4."""
+    import torch
+
+    from gae import compute_gae
+
+    from rollout import RolloutBatch
+    from sampling import ScoredBatch
+
+    lengths, outcomes = [3, 12], [1.0, -1.0]
+    mask = (torch.arange(12)[None] < torch.tensor(lengths)[:, None]).float()
+    values = torch.tensor([[0.0, 0.0] + [1.0] * 10, [0.0, 0.0] + [-1.0] * 10]) * mask
+    rewards = torch.zeros(2, 12)
+    rewards[0, 2], rewards[1, 11] = outcomes
+    batch = RolloutBatch(prompt_ids=torch.ones(2, 1, dtype=torch.long), prompt_mask=torch.ones(2, 1, dtype=torch.long),
+                         response_ids=torch.ones(2, 12, dtype=torch.long), response_mask=mask,
+                         logprobs=torch.zeros(2, 12), finish_reasons=["stop"] * 2)
+    scored = ScoredBatch(batch, [""] * 2, torch.tensor(outcomes), rewards, 0, 0, {})
+    advantages, returns = compute_gae(rewards, values, mask, gamma=1.0, lam=0.95)
+    torch.testing.assert_close(advantages, torch.tensor([[0.95, 1.0] + [0.0] * 10, [-0.95, -1.0] + [0.0] * 10]))
+    metrics = step_metrics.rollout_metrics(scored, {"old_values": values, "returns": returns}, advantages, {"x": 1.0},
+                                           gamma=1.0, horizon=12)
+    assert [metrics[f"advantage/pos_bin{k}"] for k in range(4)] == pytest.approx([0.0] * 4, abs=1e-7)
+    # V(s_t) - G_t is -1, -1, 0 on a's tokens and 1, 1, 0, ... on b's: the quarter of positions 0-2 holds them all
+    assert metrics["critic/value_error/first_quarter"] == pytest.approx(0.0, abs=1e-7)
+
+
 def test_critic_error_metrics_against_a_direct_computation():
     import torch
 
@@ -864,14 +895,14 @@ def test_critic_error_metrics_against_a_direct_computation():
     scored = ScoredBatch(batch, [""] * 3, torch.tensor(outcomes), rewards, 0, 0, {})
     advantages = torch.tensor([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 0.0, 0.0], [7.0, 8.0, 9.0, 0.0]]) * mask
     m = step_metrics.TokenMeans()
-    other = step_metrics.critic_error_metrics(scored, values, advantages, 0.5, m)
-    assert m.tokens == {"critic/value_error/all": 9, "critic/value_error/first_quarter": 3,
+    other = step_metrics.critic_error_metrics(scored, values, advantages, 0.5, 8, m)
+    assert m.tokens == {"critic/value_error/all": 9, "critic/value_error/first_quarter": 6,
                         "advantage/last_token": 3, "advantage/other_tokens": 6}  # their weights over ranks
-    # G_t = gamma^(L-1-t) r; tokens of the first quarter: t * 4 // L == 0, i.e. t = 0 in every row here.
-    errors = [(values[b, t].item() - 0.5 ** (n - 1 - t) * r, t * 4 // n == 0)
+    # G_t = gamma^(L-1-t) r; tokens of the first quarter of 8 positions: t * 4 // 8 == 0, i.e. t < 2.
+    errors = [(values[b, t].item() - 0.5 ** (n - 1 - t) * r, t < 2)
               for b, (n, r) in enumerate(zip(lengths, outcomes)) for t in range(n)]
     assert m["critic/value_error/all"] == pytest.approx(sum(e for e, _ in errors) / 9)
-    assert m["critic/value_error/first_quarter"] == pytest.approx(sum(e for e, q in errors if q) / 3)
+    assert m["critic/value_error/first_quarter"] == pytest.approx(sum(e for e, q in errors if q) / 6)
     assert m["advantage/last_token"] == pytest.approx((4.0 + 6.0 + 9.0) / 3)
     assert m["advantage/other_tokens"] == pytest.approx((1 + 2 + 3 + 5 + 7 + 8) / 6)
     # 1 - Var(G - V) / Var(G) over the 9 tokens, G from the same formula: not the targets of any lambda < 1.

@@ -194,11 +194,11 @@ def test_ppo_step_feeds_decoupled_gae_advantages_to_the_actor_and_lambda_critic_
     old_logprobs, _ = full_forward_logprobs(actor, batch, cfg.temperature)
     torch.testing.assert_close(per_token["old_logprobs"], old_logprobs, atol=1e-5, rtol=1e-5)
 
-    # advantage/pos_bin{k}: mean advantage over tokens in the k-th quarter of their own response.
+    # advantage/pos_bin{k}: mean advantage over the tokens at the k-th quarter of positions 0..max_new_tokens-1.
     lengths = batch.lengths.tolist()
     for k in range(step_metrics.POSITION_BINS):
         in_bin = [advantages[b, t] for b, n in enumerate(lengths) for t in range(n)
-                  if min(t * step_metrics.POSITION_BINS // n, step_metrics.POSITION_BINS - 1) == k]
+                  if t * step_metrics.POSITION_BINS // MAX_NEW_TOKENS == k]
         assert metrics[f"advantage/pos_bin{k}"] == pytest.approx(sum(in_bin).item() / len(in_bin), abs=1e-5)
     valid = [advantages[b, t] for b, n in enumerate(lengths) for t in range(n)]
     assert metrics["advantage/mean"] == pytest.approx(sum(valid).item() / len(valid), abs=1e-5)  # unwhitened
@@ -361,12 +361,12 @@ def test_a_response_cut_with_truncation_reward_0_is_not_counted_accurate(tokeniz
 
 
 def test_a_position_bin_that_no_response_reaches_is_logged_as_undefined(tokenizer, actor, records, monkeypatch):
-    """Responses of 1 or 2 tokens have tokens in the first and third quarters only (t * 4 // L):
-    the mean advantage over no token is NaN, not 0."""
+    """Responses of 1 or 2 tokens have tokens in the first quarter of the 12 positions only: the mean
+    advantage over no token is NaN, not 0."""
     short = ScriptedRollout(tokenizer, responses=["1", "2=", "3", "4=", "5", "6="], finish=["stop"] * 6)
     _, _, metrics = run_ppo_step(make_config(), actor, TokenValueCritic(len(tokenizer)), tokenizer, records,
                                  monkeypatch, engine=short)
-    assert [math.isnan(metrics[f"advantage/pos_bin{k}"]) for k in range(4)] == [False, True, False, True]
+    assert [math.isnan(metrics[f"advantage/pos_bin{k}"]) for k in range(4)] == [False, True, True, True]
 
 
 def test_ppo_step_metrics_are_reduced_over_ranks_by_their_kind(tokenizer, actor, records, monkeypatch):
@@ -396,7 +396,7 @@ def test_ppo_step_metrics_are_reduced_over_ranks_by_their_kind(tokenizer, actor,
     assert seen["sums"] == {"reward/grader_timeouts", "reward/missing_box"}
     mask = batch.response_mask
     tokens, rows = mask.sum().item(), len(mask)
-    in_bins = [int(in_bin.sum()) for in_bin in step_metrics.position_bins(mask)]
+    in_bins = [int(in_bin.sum()) for in_bin in step_metrics.position_bins(mask, MAX_NEW_TOKENS)]
     assert len(set(in_bins)) > 1  # bins of different sizes: one count for all cannot pass
     assert seen["tokens"] == {"advantage/mean": tokens, "critic/values_mean": tokens, "critic/returns/mean": tokens,
                               "critic/value_error/all": tokens, "critic/value_error/first_quarter": in_bins[0],
