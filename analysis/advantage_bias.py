@@ -9,8 +9,11 @@ shows each critic's bias; the mean Monte-Carlo return (the lambda = 1 target, th
 critic) is what V(s_t) should be on average. The paper's Fig. 2 has early tokens biased UP; report
 the sign measured here (a prototype before this project measured it negative), in two parts: the level
 (the first bin's mean advantage, which holds the error the critic makes at every position: it moves
-every token alike, and advantage whitening removes it), and the position (each response's first-bin
-mean against its own mean over all its tokens: the bias of early tokens over later ones).
+every token alike, and advantage whitening removes it), and the position (the first bin's mean against
+the mean over every later position: the bias of early tokens over later ones). Both are means over
+fixed token positions, 0 in expectation for an exact critic; a response's own mean, or a share of its
+own length, is not (its length is still to come, and the outcome depends on it). Standard errors are
+over responses, the independent draws (`pooled_mean`).
 
 Flags after a `--` are train.py's own (`config.parse_config`): give the run's flags, so that paths,
 task, sampling, reward and the stages --build runs are the run's.
@@ -42,8 +45,7 @@ from critic import check_orm, fresh_head_seed, load_value_model, orm_path, orm_q
 from support.data import prepare_data, sample_prompts, stream_seed
 from fsdp_utils import local_device
 from gae import compute_gae
-from support.masked import masked_mean, masked_sum
-from support.step_metrics import position_bins
+from support.masked import masked_sum
 from rollout import HFRollout
 from sampling import Sampler
 from support.sft import prepare_sft, sft_cache_path
@@ -95,12 +97,10 @@ class BiasResult:
     advantages: dict[str, dict[float, np.ndarray]]  # critic -> lambda -> [n_bins] mean A_t
     pearson: dict[str, dict[float, float]]  # critic -> lambda -> token-level corr(A_t, t)
     first_bin_se: dict[str, dict[float, float]]  # standard error of the first bin's mean, over responses
-    # critic -> lambda -> (mean, SE) over responses of its first-bin mean advantage minus its mean over all its tokens
-    early_vs_response: dict[str, dict[float, tuple[float, float]]]
+    # critic -> lambda -> (mean, SE): the first bin's mean advantage less the mean over every later position
+    early_vs_later: dict[str, dict[float, tuple[float, float]]]
     skipped: dict[str, str]  # critic -> why it has no curve
     rollout: dict  # responses, mean and max length, accuracy, truncated share
-    first_quarter: dict[str, dict[float, tuple[float, float]]]  # critic -> lambda -> (mean, SE) over responses
-    # of each response's mean A_t over its first quarter (the issue's Fig. 2 criterion)
     box: dict[str, dict]  # critic -> V(s_t) just before and just after the final box opens (TD errors there)
     orm_quality: dict  # reward model -> subset -> AUC, sign accuracy, base rate on these (held-out) responses
     offset: float = 0.0  # added to the SFT + fresh-head critic's values
@@ -211,13 +211,12 @@ def box_alignment(rollouts, values: list, starts: list[list[tuple[int, int]]], b
 def position_sums(rollouts, critic, lambdas, gamma, width: int, bin_size: int) -> dict:
     """Per-position sums (float64, [width]) over every valid token of every rollout: token count,
     lambda = 1 return, V(s_t) and A_t per lambda; sum A_t^2 per lambda (for the correlation); and
-    each response's own mean A_t over the first bin, alone and less its mean over all its tokens (for
-    standard errors over responses)."""
+    per response, its tokens and the sum of their A_t in the first bin and after it (for standard
+    errors over responses)."""
     z = lambda: np.zeros(width)
     sums = {"count": z(), "ret": z(), "value": z(), "adv": {lam: z() for lam in lambdas},
-            "adv_sq": {lam: 0.0 for lam in lambdas}, "first_bin": {lam: [] for lam in lambdas},
-            "early_vs_response": {lam: [] for lam in lambdas},
-            "first_quarter": {lam: [] for lam in lambdas}, "values": []}
+            "adv_sq": {lam: 0.0 for lam in lambdas}, "values": [], "early_count": [], "later_count": [],
+            "early_adv": {lam: [] for lam in lambdas}, "later_adv": {lam: [] for lam in lambdas}}
 
     def add(key, x, mask, lam=None):
         s = masked_sum(x.double(), mask.double(), dim=0).cpu().numpy()  # over responses: [T]
@@ -228,7 +227,11 @@ def position_sums(rollouts, critic, lambdas, gamma, width: int, bin_size: int) -
         batch, rewards, mask = scored.batch, scored.token_rewards, scored.batch.response_mask
         values = response_values(critic, batch) if critic is not None else torch.zeros_like(mask)
         sums["values"].append(values)
-        quarter = position_bins(mask, 4)[0]  # each response's first quarter, as train.py's metrics bin it
+        early = mask.clone()
+        early[:, bin_size:] = 0
+        later = mask - early
+        sums["early_count"] += early.sum(1).tolist()
+        sums["later_count"] += later.sum(1).tolist()
         add("count", mask, mask)
         add("value", values, mask)
         add("ret", compute_gae(rewards, values, mask, gamma, lam=1.0)[1], mask)  # R_t at lambda = 1 (Eq. 5)
@@ -236,10 +239,8 @@ def position_sums(rollouts, critic, lambdas, gamma, width: int, bin_size: int) -
             adv, _ = compute_gae(rewards, values, mask, gamma, lam=lam)  # GAE
             add("adv", adv, mask, lam)
             sums["adv_sq"][lam] += float(masked_sum(adv.double() ** 2, mask.double()))
-            first_bin = masked_mean(adv[:, :bin_size], mask[:, :bin_size], dim=1)
-            sums["first_bin"][lam] += first_bin.tolist()
-            sums["early_vs_response"][lam] += (first_bin - masked_mean(adv, mask, dim=1)).tolist()
-            sums["first_quarter"][lam] += masked_mean(adv, quarter, dim=1).tolist()
+            sums["early_adv"][lam] += masked_sum(adv.double(), early.double(), dim=1).tolist()
+            sums["later_adv"][lam] += masked_sum(adv.double(), later.double(), dim=1).tolist()
     return sums
 
 
@@ -264,8 +265,21 @@ def binned(per_position: np.ndarray, count: np.ndarray, bin_size: int) -> np.nda
     return bin_sums(per_position, bin_size) / np.maximum(bin_sums(count, bin_size), 1)
 
 
-def mean_and_se(x: list[float]) -> tuple[float, float]:
-    return float(np.mean(x)), float(np.std(x, ddof=1) / np.sqrt(len(x)))
+def pooled_mean(sums: list[float], counts: list[float]) -> tuple[float, np.ndarray]:
+    """The mean over every token of some positions, sum_i s_i / sum_i n_i over responses i (s_i, n_i:
+    response i's sum and token count there), and each response's influence on it,
+    (s_i - mean n_i) / sum_i n_i: the responses are the independent draws, not the tokens, so a
+    standard error is taken over these (`standard_error`), of a difference of means too."""
+    s, n = np.asarray(sums, dtype=np.float64), np.asarray(counts, dtype=np.float64)
+    mean = s.sum() / max(n.sum(), 1.0)
+    return float(mean), (s - mean * n) / max(n.sum(), 1.0)
+
+
+def standard_error(influence: np.ndarray) -> float:
+    """The standard error of a mean over responses from each response's influence on it (the ratio
+    estimator's, with the small-sample factor k / (k - 1))."""
+    k = len(influence)
+    return float(np.sqrt(k / (k - 1) * (influence**2).sum())) if k > 1 else float("nan")
 
 
 def measure(args: Args, rollouts, paths: dict, gamma: float, starts: list[list[tuple[int, int]]]) -> BiasResult:
@@ -273,7 +287,7 @@ def measure(args: Args, rollouts, paths: dict, gamma: float, starts: list[list[t
     where each response's final box opens and its content begins (`box_starts`)."""
     width = max(int(s.batch.lengths.max()) for s in rollouts)
     values, advantages, pearson, first_se, early, skipped, common = {}, {}, {}, {}, {}, {}, None
-    first_quarter, box, quality = {}, {}, {}
+    box, quality = {}, {}
     for name in CRITICS:
         path = paths[name]
         if not Path(path, "config.json").is_file():
@@ -291,16 +305,18 @@ def measure(args: Args, rollouts, paths: dict, gamma: float, starts: list[list[t
             if name in REWARD_MODELS:
                 quality[name] = orm_quality(critic, rollouts)
         del critic
-        first_quarter[name] = {lam: mean_and_se(s["first_quarter"][lam]) for lam in args.lambdas}
-        early[name] = {lam: mean_and_se(s["early_vs_response"][lam]) for lam in args.lambdas}
+        first_se[name], early[name] = {}, {}
+        for lam in args.lambdas:
+            first, first_influence = pooled_mean(s["early_adv"][lam], s["early_count"])
+            later, later_influence = pooled_mean(s["later_adv"][lam], s["later_count"])
+            first_se[name][lam] = standard_error(first_influence)
+            early[name][lam] = (first - later, standard_error(first_influence - later_influence))
         box[name] = box_alignment(rollouts, s["values"], starts)
         common = s
         values[name] = binned(s["value"], s["count"], args.bin_size)
         advantages[name] = {lam: binned(s["adv"][lam], s["count"], args.bin_size) for lam in args.lambdas}
         pearson[name] = {lam: pearson_with_position(s["count"], s["adv"][lam], s["adv_sq"][lam])
                          for lam in args.lambdas}
-        first_se[name] = {lam: float(np.std(s["first_bin"][lam], ddof=1) / np.sqrt(len(s["first_bin"][lam])))
-                          for lam in args.lambdas}
     if common is None:  # no critic at all: positions and returns only
         common = position_sums(rollouts, None, (), gamma, width, args.bin_size)
     lengths = torch.cat([s.batch.lengths for s in rollouts]).float()
@@ -310,8 +326,8 @@ def measure(args: Args, rollouts, paths: dict, gamma: float, starts: list[list[t
         lambdas=args.lambdas, bin_size=args.bin_size, bin_start=np.arange(0, width, args.bin_size),
         tokens=bin_sums(common["count"], args.bin_size),
         mc_return=binned(common["ret"], common["count"], args.bin_size), values=values,
-        advantages=advantages, pearson=pearson, first_bin_se=first_se, early_vs_response=early, skipped=skipped,
-        first_quarter=first_quarter, box=box, orm_quality=quality, offset=args.offset,
+        advantages=advantages, pearson=pearson, first_bin_se=first_se, early_vs_later=early, skipped=skipped,
+        box=box, orm_quality=quality, offset=args.offset,
         rollout={"responses": len(lengths), "mean_length": lengths.mean().item(), "max_length": width,
                  "accuracy": (outcomes > 0).float().mean().item(),
                  "truncated": sum(truncated) / len(truncated)},
@@ -319,15 +335,15 @@ def measure(args: Args, rollouts, paths: dict, gamma: float, starts: list[list[t
 
 
 def sign_sentence(first_bin: float, first_se: float, early: float, early_se: float) -> str:
-    """The verdict on Fig. 2's bias: the first bin's level against 0, then early tokens against the
-    rest of their own response, each judged at 2 standard errors."""
+    """The verdict on Fig. 2's bias: the first bin's level against 0, then early tokens against every
+    later position, each judged at 2 standard errors."""
     def against(mean, se, above, below, neither):
         return neither if abs(mean) <= 2 * se else above if mean > 0 else below
 
     level = against(first_bin, first_se, "above 0", "below 0", "within 2 SE of 0")
-    position = against(early, early_se, "early tokens favoured over the rest of their response (the paper's Fig. 2 "
-                       "direction)", "early tokens penalised against the rest of their response (the paper's Fig. 2 is "
-                       "the other way)", "early tokens no different from the rest of their response (within 2 SE)")
+    position = against(early, early_se, "early tokens favoured over later ones (the paper's Fig. 2 direction)",
+                       "early tokens penalised against later ones (the paper's Fig. 2 is the other way)",
+                       "early tokens no different from later ones (within 2 SE)")
     return f"level {level}; {position}"
 
 
@@ -358,7 +374,7 @@ def plot(r: BiasResult, path: Path) -> None:
 
 
 def mechanism_lines(r: BiasResult) -> list[str]:
-    """The reward models' quality as reward models, the first-quarter advantage and the values around the box."""
+    """The reward models' quality as reward models and the values around the box."""
     lines = ["## The reward models as reward models (held-out responses, score at the last token)", ""]
     if r.orm_quality:
         lines += ["| reward model | responses | n | correct | AUC | sign accuracy | base rate | mean score, correct "
@@ -369,11 +385,6 @@ def mechanism_lines(r: BiasResult) -> list[str]:
                   for critic, by_subset in r.orm_quality.items() for name, q in by_subset.items()]
     else:
         lines.append("(no reward model read)")
-    lines += ["", "## Mean advantage over the first quarter of each response (mean ± SE over responses)", "",
-              "| critic | " + " | ".join(f"λ={lam:g}" for lam in r.lambdas) + " |", "|---|" + "---|" * len(r.lambdas)]
-    lines += [f"| {LABELS[name]} | " + " | ".join(f"{m:+.3f} ± {se:.3f} ({m / se:+.1f} SE)" if se > 0 else f"{m:+.3f}"
-                                                   for m, se in fq.values()) + " |"
-              for name, fq in r.first_quarter.items()]
     lines += ["", "## V(s_t) around the opening of the final box", "",
               "Mean over the 16 tokens before the box, at its first token, after `\\boxed{` is written, and the "
               "jump (the sum of the TD errors over the box-opening tokens; mean ± SE over responses).", "",
@@ -392,11 +403,11 @@ def markdown(r: BiasResult, paths: dict, gamma: float, seconds: dict) -> str:
         for lam in lams:
             adv = r.advantages[name][lam]
             all_mean = float((adv * r.tokens).sum() / r.tokens.sum())
-            se, (early, early_se) = r.first_bin_se[name][lam], r.early_vs_response[name][lam]
+            se, (early, early_se) = r.first_bin_se[name][lam], r.early_vs_later[name][lam]
             summary.append(f"| {LABELS[name]} | {lam:g} | {r.pearson[name][lam]:+.3f} | {adv[0]:+.3f} ± {2 * se:.3f} | "
                            f"{early:+.3f} ± {2 * early_se:.3f} | {all_mean:+.3f} | {r.values[name][0]:+.3f} |")
             signs.append(f"- {LABELS[name]}, lambda = {lam:g}: first-bin mean advantage {adv[0]:+.3f} "
-                         f"(all tokens {all_mean:+.3f}), less its response's mean {early:+.3f}: "
+                         f"(all tokens {all_mean:+.3f}), less the later positions' {early:+.3f}: "
                          f"{sign_sentence(adv[0], se, early, early_se)}.")
     names = list(r.values)
     head = ("| tokens t | n tokens | mean return | " + " | ".join(f"V {name}" for name in names)
@@ -415,19 +426,19 @@ def markdown(r: BiasResult, paths: dict, gamma: float, seconds: dict) -> str:
                                 for n in CRITICS) + ". "
         "The SFT critic has a fresh N(0, 0.02) head (critic.load_value_model)"
         + (f", its values moved by {r.offset:+g} (--offset)" if r.offset else "") + ".", "",
-        "| critic | lambda | Pearson r(A_t, t), token level | mean A_t, first bin ± 2 SE | first bin less its "
-        "response's mean ± 2 SE | mean A_t, all tokens | mean V(s_t), first bin |", "|---|---|---|---|---|---|---|",
+        "| critic | lambda | Pearson r(A_t, t), token level | mean A_t, first bin ± 2 SE | first bin less the "
+        "later positions ± 2 SE | mean A_t, all tokens | mean V(s_t), first bin |", "|---|---|---|---|---|---|---|",
         *summary, "",
         f"Mean return (lambda = 1 target, same for every critic), first bin: {r.mc_return[0]:+.3f}.", "",
-        "Sign measured (SE over responses, of each response's own first-bin mean, and of that mean less the "
-        "response's mean over all its tokens). The level is the error the critic makes at every position: it "
+        "Sign measured (means over every token at those positions, SE over responses). The level is the "
+        "error the critic makes at every position: it "
         "moves every token's advantage alike, and advantage whitening (train.py's default) removes it; the "
         "paper's Fig. 2 is about the position, early tokens against later ones.", *signs, "",
         *mechanism_lines(r),
         *[f"- {LABELS[n]}: skipped, {why}." for n, why in r.skipped.items()], "",
-        "For an exact critic every bin's expected mean advantage is 0 (reaching position t is part of s_t); "
-        "a deviation is the critic's bias plus sampling noise. Late bins hold only the long responses, so "
-        "they are few and noisy (see n tokens).", "",
+        "For an exact critic every bin's expected mean advantage is 0 (reaching position t is part of s_t), "
+        "and so is that of any set of positions; a deviation is the critic's bias plus sampling noise. Late "
+        "bins hold only the long responses, so they are few and noisy (see n tokens).", "",
         "## By position", "", head, "|---|---|---|" + "---|" * (len(names) + len(names) * len(lams)), *rows, "",
         f"Runtime: rollouts {seconds['rollouts']:.1f} s, critics {seconds['critics']:.1f} s "
         f"({torch.get_num_threads()} torch threads).", "",
@@ -441,9 +452,8 @@ def to_json(r: BiasResult) -> dict:
         "advantages": {k: {str(lam): a.tolist() for lam, a in v.items()} for k, v in r.advantages.items()},
         "pearson": {k: {str(lam): c for lam, c in v.items()} for k, v in r.pearson.items()},
         "first_bin_se": {k: {str(lam): c for lam, c in v.items()} for k, v in r.first_bin_se.items()},
-        "early_vs_response": {k: {str(lam): list(c) for lam, c in v.items()} for k, v in r.early_vs_response.items()},
+        "early_vs_later": {k: {str(lam): list(c) for lam, c in v.items()} for k, v in r.early_vs_later.items()},
         "skipped": r.skipped, "rollout": r.rollout,
-        "first_quarter": {k: {str(lam): list(c) for lam, c in v.items()} for k, v in r.first_quarter.items()},
         "box": r.box, "orm_quality": r.orm_quality, "offset": r.offset,
     }
 

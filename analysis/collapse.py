@@ -24,8 +24,8 @@ For each run it reads metrics.jsonl and summary.json and reports: the measured i
 length ratio (lowest 5-step moving average of the batch-mean length over the first step's); the
 accuracy ratio (lowest 5-step moving average of training accuracy over pi_SFT's held-out pass@1);
 the recovery (steps from the trough of that moving average back to 0.9 of the first step's
-length); Fig. 2 from the same runs (each critic's mean advantage over each quarter of the first
-batch's responses, before whitening); and held-out pass@1 after PPO. With several seeds, mean ±
+length); Fig. 2 from the same runs (each critic's mean advantage over each quarter of the token
+positions up to --max-new-tokens in the first batch, before whitening); and held-out pass@1 after PPO. With several seeds, mean ±
 std. Fig. 2 is also drawn by analysis/advantage_bias.py, by token position, for the critics the
 arms start from (the offset critic, the MSE ORM, the Bradley-Terry RM and the vc-ppo run's
 value-pretrained critic, on 128 fresh pi_SFT responses of the first seed; advantage_bias.* in
@@ -255,7 +255,7 @@ def fig2_by_position(args: Args, runs: dict[str, list[ablation.Run]]) -> dict | 
         error = float(((r.values[name] - r.mc_return) * r.tokens).sum() / r.tokens.sum())  # mean V(s_t) - G_t
         out[name] = {"label": advantage_bias.critic_label(name, args.offset), "error": error,
                      "bin_centre": r.bin_centre.tolist(), "advantage": adv[0.95].tolist() if 0.95 in adv else None,
-                     "first_quarter": {str(lam): list(ms) for lam, ms in r.first_quarter[name].items()}}
+                     "early_vs_later": {str(lam): list(ms) for lam, ms in r.early_vs_later[name].items()}}
     return {"seed": vc.seed, "responses": r.rollout["responses"], "critics": out,
             "tokens": r.tokens.tolist(), "skipped": r.skipped}
 
@@ -310,7 +310,7 @@ def plot(m: dict, path: Path) -> None:
         ax.errorbar(np.arange(4) + 1, q.mean(0), yerr=q.std(0, ddof=1) if len(q) > 1 else None, marker="o",
                     capsize=3, label=label(m, arm))
     ax.axhline(0, color="black", lw=0.5)
-    ax.set(xlabel="quarter of the response (early -> late)", ylabel=f"mean advantage at step 0 ({m['lambda_actor']})",
+    ax.set(xlabel="quarter of the token positions up to --max-new-tokens (early -> late)", ylabel=f"mean advantage at step 0 ({m['lambda_actor']})",
            xticks=[1, 2, 3, 4])
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
@@ -349,7 +349,7 @@ def markdown(m: dict, runs: dict[str, list[ablation.Run]]) -> str:
     flags = " ".join(m.get("train_flags", [])) or "none (the tiny preset)"
     lines = ["# Fig. 1 by intervention on the built-in task: the critic's initial error set by hand", "",
              f"train.py flags after `--` for every run: {flags}. Seeds {m['seeds']}, mean ± std over seeds. Initial error: mean V(s_t) - G_t over the first batch's "
-             f"tokens (all / first quarter). Advantage at step 0: mean (before whitening) over the last token "
+             f"tokens (all / the first quarter of the positions up to --max-new-tokens). Advantage at step 0: mean (before whitening) over the last token "
              f"and over the others. Length ratio: lowest {WINDOW}-step mean of the batch-mean length over the first "
              f"step's; accuracy ratio: lowest {WINDOW}-step mean of training accuracy over pi_SFT's held-out pass@1 "
              f"({m['sft_acc']:.3f}). Calibrated: the first step whose |mean V(s_t) - G_t| <= {CALIBRATED}, per seed. "
@@ -368,7 +368,7 @@ def markdown(m: dict, runs: dict[str, list[ablation.Run]]) -> str:
                      f"{pm(arm, 'length_ratio')} | {pm(arm, 'acc_ratio')} | {per_seed(arm, 'recovery_steps')} | "
                      f"{pm(arm, 'final_acc')} |")
     lines += ["", f"Fig. 2 from the same runs: mean advantage ({m['lambda_actor']}, before whitening) over each quarter "
-              "of the first batch's responses, early to late:", "", "| arm | 1st | 2nd | 3rd | 4th |", "|---|---|---|---|---|"]
+              "of the token positions up to --max-new-tokens in the first batch, early to late:", "", "| arm | 1st | 2nd | 3rd | 4th |", "|---|---|---|---|---|"]
     for arm in (a for a in FIG2 if a in m["runs"]):
         q = np.array([r["first_step_advantage_by_quarter"] for r in m["runs"][arm]], dtype=float).mean(0)
         lines.append(f"| {label(m, arm)} | " + " | ".join(f"{x:+.3f}" for x in q) + " |")
@@ -384,11 +384,11 @@ def markdown(m: dict, runs: dict[str, list[ablation.Run]]) -> str:
         f2 = m["fig2"]
         lines += ["", f"Fig. 2 by position (analysis/advantage_bias.py, advantage_bias.md beside this file): the "
                   f"critics the arms start from, on {f2['responses']} fresh pi_SFT responses (seed {f2['seed']}). Error: "
-                  "mean V(s_t) - G_t over all tokens; mean advantage over each response's first quarter ± SE over "
-                  "responses:", "", "| critic | error | first quarter, lambda 0.95 | first quarter, lambda 1.0 |",
-                  "|---|---|---|---|"]
+                  "mean V(s_t) - G_t over all tokens; mean advantage over the first bin of positions less that over "
+                  "every later position ± SE over responses:", "",
+                  "| critic | error | early less later, lambda 0.95 | early less later, lambda 1.0 |", "|---|---|---|---|"]
         for c in f2["critics"].values():
-            fq = {lam: f"{mean:+.3f} ± {se:.3f}" for lam, (mean, se) in c["first_quarter"].items()}
+            fq = {lam: f"{mean:+.3f} ± {se:.3f}" for lam, (mean, se) in c["early_vs_later"].items()}
             lines.append(f"| {c['label']} | {c['error']:+.3f} | {fq.get('0.95', '-')} | {fq.get('1.0', '-')} |")
         lines += [f"- {advantage_bias.LABELS[n]}: skipped, {why}" for n, why in f2["skipped"].items()]
     walls = [r["wall_s"] for rows in m["runs"].values() for r in rows if r["wall_s"] is not None]

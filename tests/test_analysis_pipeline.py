@@ -264,16 +264,16 @@ def test_the_box_opening_is_counted_in_the_tokenizers_tokens_not_in_characters()
     assert advantage_bias.box_starts(OneTokenBox(), [scored]) == [[(5, 6), (-1, -1)]]
 
 
-def test_orm_quality_and_first_quarter_are_reported(bias):
+def test_orm_quality_and_early_against_later_positions_are_reported(bias):
     result, out = bias
     assert set(result.orm_quality) == {"orm", "orm-bt"}  # both reward models, judged on the same rollouts
     q = result.orm_quality["orm"]["all"]
     share_correct = q["correct"] / q["responses"]
     assert q["responses"] == 6 and q["base_rate"] == pytest.approx(max(share_correct, 1 - share_correct))
     assert q["correct"] == round(result.rollout["accuracy"] * 6)  # the ORM is judged on these rollouts' verdicts
-    assert set(result.first_quarter) == set(advantage_bias.CRITICS)
+    assert set(result.early_vs_later) == set(advantage_bias.CRITICS)
     md = (out / "advantage_bias.md").read_text()
-    assert "base rate" in md and "first quarter" in md
+    assert "base rate" in md and "first bin less the later positions" in md
 
 
 def position_sums_of_two_responses(monkeypatch, lengths: list[int]) -> dict:
@@ -293,35 +293,50 @@ def position_sums_of_two_responses(monkeypatch, lengths: list[int]) -> dict:
     return advantage_bias.position_sums([scored], object(), (1.0,), 1.0, width, bin_size=4)
 
 
-def test_first_quarter_advantage_averages_the_first_ceil_quarter_tokens(monkeypatch):
-    """analysis/advantage_bias.py position_sums: the first-quarter numbers in RESULTS.md were only
-    checked for their keys; a half-length window or the whole response passed."""
-    sums = position_sums_of_two_responses(monkeypatch, [8, 5])
-    # quarter of 8 tokens: t = 0, 1 -> 1 - 0.05; quarter of 5 tokens (ceil 5/4 = 2): t = 0, 1 -> -1 - 0.05
-    assert sums["first_quarter"][1.0] == pytest.approx([0.95, -1.05])
-
-
-def test_first_bin_advantage_of_a_short_response_averages_its_own_tokens_only(monkeypatch):
-    """Each response's mean A_t over the first bin (behind the first bin's standard error) is over its
-    valid tokens; a response shorter than the bin must not count its padding as advantages of 0."""
+def test_first_bin_sums_of_a_short_response_count_its_own_tokens_only(monkeypatch):
+    """Each response's tokens and summed A_t in the first bin and after it (behind the standard
+    errors) are over its valid tokens; a response shorter than the bin must not count its padding as
+    advantages of 0."""
     sums = position_sums_of_two_responses(monkeypatch, [8, 2])
-    # t = 0..3 of the first: 1 - 0.15; t = 0, 1 of the second (2 tokens): -1 - 0.05
-    assert sums["first_bin"][1.0] == pytest.approx([0.85, -1.05])
+    # A_t = outcome - 0.1 t. First: t = 0..3 and 4..7; second (2 tokens): t = 0, 1 only.
+    assert sums["early_count"] == [4, 2] and sums["later_count"] == [4, 0]
+    assert sums["early_adv"][1.0] == pytest.approx([4 - 0.6, -2 - 0.1])
+    assert sums["later_adv"][1.0] == pytest.approx([4 - 2.2, 0.0])
     assert sums["count"].tolist() == [2, 2, 1, 1, 1, 1, 1, 1]
 
 
-def test_early_tokens_are_judged_against_their_own_response_not_by_the_level_all_tokens_share(monkeypatch):
-    """The verdict read the first bin's mean advantage alone: a critic off by the same amount at every
-    position (A_t = G - V at lambda = 1 moves every token alike) was reported as "early tokens
-    penalised", and a first bin above 0 as "favoured" while later tokens were favoured more."""
-    sums = position_sums_of_two_responses(monkeypatch, [8, 2])
-    # A_t = outcome - 0.1 t. First: bin 1 - 0.15, all 1 - 0.35; second: both -1 - 0.05.
-    assert sums["early_vs_response"][1.0] == pytest.approx([0.2, 0.0])
+def test_early_tokens_are_judged_against_later_positions_not_against_their_own_response(monkeypatch):
+    """Fig. 2's position verdict compares means over fixed token positions, which are 0 in expectation
+    for an exact critic. It compared each response's first bin with its own mean over all its tokens,
+    which is not: where the outcome decides the length, the exact critic (here: the second token
+    decides, "a" ends at 3 tokens with +1, "b" at 12 with -1; V = 0, 0, then the outcome) read
+    -0.24 at lambda 0.95 and bins of 1 token: "early tokens penalised" for an exact critic."""
+    from rollout import RolloutBatch
+    from sampling import ScoredBatch
+
+    lengths, outcomes = [3, 12], torch.tensor([1.0, -1.0])
+    mask = (torch.arange(12)[None] < torch.tensor(lengths)[:, None]).float()
+    rewards = torch.zeros(2, 12)
+    rewards[0, 2], rewards[1, 11] = outcomes
+    batch = RolloutBatch(torch.ones(2, 1, dtype=torch.long), torch.ones(2, 1, dtype=torch.long),
+                         torch.ones(2, 12, dtype=torch.long), mask, torch.zeros(2, 12), ["stop", "stop"])
+    scored = ScoredBatch(batch, ["", ""], outcomes, rewards, 0, 0, {})
+    exact = torch.tensor([[0.0, 0.0] + [1.0] * 10, [0.0, 0.0] + [-1.0] * 10])
+    monkeypatch.setattr(advantage_bias, "response_values", lambda critic, b: exact * b.response_mask)
+    for bin_size in (1, 2, 4):
+        sums = advantage_bias.position_sums([scored], object(), (0.95, 1.0), 1.0, 12, bin_size=bin_size)
+        for lam in (0.95, 1.0):
+            first, first_influence = advantage_bias.pooled_mean(sums["early_adv"][lam], sums["early_count"])
+            later, later_influence = advantage_bias.pooled_mean(sums["later_adv"][lam], sums["later_count"])
+            assert (first, later) == pytest.approx((0.0, 0.0), abs=1e-12)
+    # The standard error of a pooled mean is over responses: two responses of sums 3 and -1 over 1 and
+    # 3 tokens have the mean 0.5 and influences (3 - 0.5) / 4, (-1 - 1.5) / 4: SE sqrt(2 * 2 * 0.625^2).
+    mean, influence = advantage_bias.pooled_mean([3.0, -1.0], [1, 3])
+    assert mean == 0.5 and advantage_bias.standard_error(influence) == pytest.approx(2 * 0.625)
     sentence = advantage_bias.sign_sentence
-    assert sentence(-0.6, 0.05, 0.01, 0.02) == ("level below 0; early tokens no different from the rest of their "
-                                                "response (within 2 SE)")
-    assert sentence(0.3, 0.05, -0.2, 0.05).startswith("level above 0; early tokens penalised against the rest")
-    assert sentence(0.05, 0.05, 0.2, 0.05).startswith("level within 2 SE of 0; early tokens favoured over the rest")
+    assert sentence(-0.6, 0.05, 0.01, 0.02) == "level below 0; early tokens no different from later ones (within 2 SE)"
+    assert sentence(0.3, 0.05, -0.2, 0.05).startswith("level above 0; early tokens penalised against later ones")
+    assert sentence(0.05, 0.05, 0.2, 0.05).startswith("level within 2 SE of 0; early tokens favoured over later ones")
 
 
 def test_the_fresh_head_critic_is_the_one_a_run_of_that_seed_starts_from(run_root, tmp_path, monkeypatch):

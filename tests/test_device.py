@@ -98,8 +98,8 @@ def test_a_ppo_step_runs_with_its_models_on_another_device(estimator, grader):
 
 
 def test_advantage_bias_sums_run_with_the_rollouts_and_critic_on_another_device(grader):
-    """analysis/advantage_bias.py built each response's first-quarter mask on the CPU against
-    lengths on the rollouts' device: on a GPU it would have stopped after every training run of
+    """analysis/advantage_bias.py built each response's first-quarter mask (since replaced by fixed
+    positions) on the CPU against lengths on the rollouts' device: on a GPU it would have stopped after every training run of
     analysis/collapse.py. The same sums as on the CPU."""
     from analysis import advantage_bias
 
@@ -114,7 +114,7 @@ def test_advantage_bias_sums_run_with_the_rollouts_and_critic_on_another_device(
             scored = Sampler(cfg, HFRollout(policy, tokenizer), tokenizer, grader).sample_and_score(records[:4], seed=0)
             with torch.no_grad():
                 s = advantage_bias.position_sums([scored], critic, (0.95,), 1.0, width=8, bin_size=4)
-            sums[on_device] = (s["count"], s["adv"][0.95], s["first_quarter"][0.95])
+            sums[on_device] = (s["count"], s["adv"][0.95], s["early_adv"][0.95])
     assert sums[True][0].tolist() == sums[False][0].tolist()
     assert np.allclose(sums[True][1], sums[False][1]) and np.allclose(sums[True][2], sums[False][2])
 
