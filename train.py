@@ -269,6 +269,14 @@ def start(cfg: Config):
     return dist_info
 
 
+def finish(engine) -> None:
+    """`start` undone, with the rollout engine: once every rank is done generating, the engine goes,
+    then the process group."""
+    fsdp_utils.barrier()
+    engine.close()
+    fsdp_utils.close_distributed()
+
+
 def left_behind(run_dir: str) -> str:
     """What a signal outside the training loops leaves (preemption.handled), in a sentence."""
     return f"{rundir.last_checkpoint(run_dir)} Finished stages are kept; resume with the same command and --resume"
@@ -375,9 +383,7 @@ def run(cfg: Config, dist_info) -> dict:
     if fsdp_utils.is_main():
         rundir.write_json(os.path.join(run_dir, "summary.json"), summary)
         print_summary(summary, run_dir)
-    fsdp_utils.barrier()  # every rank is done generating before any engine goes
-    sampler.engine.close()
-    fsdp_utils.close_distributed()
+    finish(sampler.engine)
     return summary
 
 
