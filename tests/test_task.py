@@ -5,7 +5,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from support import task
-from reward import rule_reward
+from reward import Grader
 
 
 @pytest.fixture(scope="module")
@@ -44,10 +44,11 @@ def test_full_traces_are_correct_under_the_task_arithmetic(problems):
 
 
 def test_full_traces_are_graded_plus_one_and_wrong_boxes_minus_one(problems):
-    for p in problems:
-        response = task.full_response(p)
-        assert rule_reward(response, p["answer"]) == 1.0
-        assert rule_reward(response.replace("{" + p["answer"], "{1" + p["answer"]), p["answer"]) == -1.0
+    right = [task.full_response(p) for p in problems]
+    wrong = [r.replace("{" + p["answer"], "{1" + p["answer"]) for r, p in zip(right, problems)]
+    answers = [p["answer"] for p in problems]
+    with Grader(num_workers=1) as grader:
+        assert grader.grade(right + wrong, answers * 2).outcomes == [1.0] * len(right) + [-1.0] * len(wrong)
 
 
 def test_sft_traces_are_classified_by_strategy(problems):
@@ -162,10 +163,12 @@ def test_long_shape_has_wide_lines_and_long_traces_graded_like_the_short_ones(to
         trace = task.parse_response(p["prompt"], full)
         assert trace.strategy == "full" and all(trace.line_ok) and trace.boxed == p["answer"]
         assert len(full.split("\n")[0]) == shape.width + 2  # label, ":", the digits
-        assert rule_reward(full, p["answer"]) == 1.0
         mixed = task.sft_response(p, rng)
         assert task.parse_response(p["prompt"], mixed).strategy != "invalid"
-    lengths = sorted(len(tokenizer(task.full_response(p))["input_ids"]) for p in problems)
+    fulls = [task.full_response(p) for p in problems]
+    with Grader(num_workers=1) as grader:
+        assert grader.grade(fulls, [p["answer"] for p in problems]).outcomes == [1.0] * len(problems)
+    lengths = sorted(len(tokenizer(full)["input_ids"]) for full in fulls)
     assert lengths[0] >= 250 and lengths[len(lengths) // 2] >= 500  # many GAE horizons of 20 tokens
     # A line with the short task's width is malformed in a long problem, and the default is unchanged.
     line = task.full_response(problems[0]).split("\n")[0]
