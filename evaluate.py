@@ -205,9 +205,7 @@ def main(cfg) -> dict:
         for source, scores in scores_by_source(result).items():
             print(f"{source:<24}" + "".join(f"{scores[c]:>13.3f}" for c in columns))
         print(f"\n{len(held_out)} problems x {cfg.eval_samples} samples of {cfg.model}; wrote {out}")
-    fsdp_utils.barrier()  # every rank is done generating before any engine goes
-    sampler.engine.close()
-    fsdp_utils.close_distributed()
+    train.finish(sampler.engine)
     return result
 
 

@@ -193,11 +193,8 @@ def response_logprobs(logits, response_ids, temperature=1.0):
         raise ValueError(f"response_ids must lie in [0, {logits.shape[-1]})")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    z = logits.float()
-    if temperature != 1.0:
-        z = z / temperature
-    picked = z.gather(-1, response_ids.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(z, dim=-1)
+    z = _scaled_logits(logits, temperature)
+    return _target_logprobs(z, response_ids, torch.logsumexp(z, dim=-1))
 
 
 def entropy_from_logits(logits, temperature=1.0):
@@ -205,10 +202,8 @@ def entropy_from_logits(logits, temperature=1.0):
     H = logsumexp(z) - sum softmax(z) z."""
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    z = logits.float()
-    if temperature != 1.0:
-        z = z / temperature
-    return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1)
+    z = _scaled_logits(logits, temperature)
+    return _entropy(z, torch.logsumexp(z, dim=-1))
 
 
 def token_logprobs_and_entropy(hidden, weight, targets, temperature=1.0, chunk_tokens=4096, with_entropy=True,
@@ -235,13 +230,29 @@ def token_logprobs_and_entropy(hidden, weight, targets, temperature=1.0, chunk_t
 
 
 def _chunk_statistics(hidden, weight, targets, temperature, with_entropy, entropy_grad):
-    z = (hidden @ weight.T).float()  # the head's matmul in the model's dtype, as the logits are made
-    if temperature != 1.0:
-        z = z / temperature
+    """`response_logprobs` and `entropy_from_logits` of one chunk, sharing its logsumexp."""
+    # The head's matmul in the model's dtype, as the logits are made; then float32.
+    z = _scaled_logits(hidden @ weight.T, temperature)
     normalizer = torch.logsumexp(z, dim=-1)
-    logprobs = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - normalizer
+    logprobs = _target_logprobs(z, targets, normalizer)
     if not with_entropy:
         return torch.stack([logprobs, torch.zeros_like(logprobs)], dim=-1)
     with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
-        entropy = normalizer - (torch.softmax(z, dim=-1) * z).sum(-1)
+        entropy = _entropy(z, normalizer)
     return torch.stack([logprobs, entropy], dim=-1)
+
+
+def _scaled_logits(logits, temperature):
+    """float32 logits / temperature: the distribution the rollout sampled from."""
+    z = logits.float()
+    return z / temperature if temperature != 1.0 else z
+
+
+def _target_logprobs(z, targets, normalizer):
+    """log softmax(z) at the target ids, given logsumexp(z) (`normalizer`)."""
+    return z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - normalizer
+
+
+def _entropy(z, normalizer):
+    """H = logsumexp(z) - sum softmax(z) z, given logsumexp(z) (`normalizer`)."""
+    return normalizer - (torch.softmax(z, dim=-1) * z).sum(-1)

@@ -1,13 +1,12 @@
 """The reward (paper §4 setup, §3.1): a rule-based verifier's +-1, the only training reward, placed
 on the last token of the response.
 
-- `rule_reward`: +1 if the last `\\boxed{}` / `\\fbox{}` of the response is mathematically equivalent
-  to the ground truth (math-verify), else -1: the outcome of a response. Digits are ASCII:
+- `Grader`: the outcome of each response of a batch: +1 if the last `\\boxed{}` / `\\fbox{}` of the
+  response is mathematically equivalent to the ground truth (math-verify), else -1. Digits are ASCII:
   `\\boxed{١٢٣٤}` or full-width `\\boxed{１２３４}` is not 1234 (math-verify reads neither as a number),
-  and matches only a ground truth written the same way.
-- `Grader`: the same outcome for a batch, in worker processes with a hard per-item timeout, because
-  math-verify can hang (its own timeout is signal-based, main-thread only, and cannot interrupt
-  C-level big-integer arithmetic such as `9^{9^{9^{9}}}`).
+  and matches only a ground truth written the same way. math-verify runs in worker processes with a
+  hard per-item timeout, because it can hang (its own timeout is signal-based, main-thread only, and
+  cannot interrupt C-level big-integer arithmetic such as `9^{9^{9^{9}}}`).
 - `response_outcomes` and `terminal_rewards`: the outcome of each response (a cut one may get a
   reward of its own) and its place in the token-level MDP of §3.1: on the last response token,
   0 elsewhere, so that the return from every token is the outcome (gamma = 1).
@@ -18,7 +17,6 @@ placement works with the methods of the tensors it is given.
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import logging
 import math
@@ -151,29 +149,6 @@ def _math_equal(answer: str, gold: str) -> bool:
         return False
 
 
-_rule_reward_grader = None  # rule_reward's own Grader, started at its first call
-
-
-def rule_reward(response: str, ground_truth: str, timeout_s: float = 5.0) -> float:
-    """+1.0 if the response's last box equals the ground truth mathematically, else -1.0.
-
-    Only `response` is graded, so callers pass the response text alone (a box in the prompt must not
-    count). Never raises on any response (ValueError for a ground truth that is neither text nor a
-    number). math-verify runs in the worker of a one-worker `Grader`, started at the first call and
-    kept for the next ones; an answer it cannot grade within `timeout_s` scores -1, and its worker is
-    killed, so the next call also waits for a new one to start (a few seconds; at most
-    STARTUP_TIMEOUT_S). Batches: use a `Grader` of their own.
-    """
-    global _rule_reward_grader
-    if not 0 < timeout_s < math.inf:
-        raise ValueError(f"rule_reward: timeout_s must be finite and > 0, got {timeout_s}")
-    if _rule_reward_grader is None:
-        _rule_reward_grader = Grader(num_workers=1, timeout_s=timeout_s)
-        atexit.register(_rule_reward_grader.close)
-    _rule_reward_grader.timeout_s = timeout_s
-    return _rule_reward_grader.grade([response], [ground_truth]).outcomes[0]
-
-
 @dataclasses.dataclass
 class GradeResult:
     outcomes: list[float]  # +1 / -1 per response, in input order
@@ -236,7 +211,7 @@ class _Worker:
 
 
 class Grader:
-    """Batch `rule_reward` with a pool of worker processes and a hard per-item timeout.
+    """The verifier (module docstring) over a batch: a pool of worker processes, a hard per-item timeout.
 
     Box extraction and the string fast path run in the calling process; only the items that need
     math-verify go to workers, in chunks. A worker silent for `timeout_s` on one item is killed and
@@ -272,7 +247,9 @@ class Grader:
         self.workers = []
 
     def grade(self, responses: list[str], answers: list[str]) -> GradeResult:
-        """Outcomes (+1 / -1) of `responses` (response text only) against `answers` (ground truths)."""
+        """Outcomes (+1 / -1) of `responses` against `answers` (ground truths). Only the responses are
+        graded, so callers pass the response text alone (a box in the prompt must not count). Never
+        raises on any response (ValueError for a ground truth that is neither text nor a number)."""
         if len(responses) != len(answers):
             raise ValueError(f"grade: {len(responses)} responses but {len(answers)} answers")
         for i, gold in enumerate(answers):  # None or NaN read as text would match a response boxing "None"

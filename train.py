@@ -44,7 +44,7 @@ from ppo_update import assert_finite, masked_whiten, micro_batched_forward, upda
 from rollout import HFRollout, RolloutBatch, stop_and_pad_ids
 from sampling import Sampler
 from support.sft import ModelError, check_vocabulary, prepare_sft
-from support.vllm_rollout import VLLMRollout, check_installed
+from support.vllm_rollout import VLLMRollout, vllm_missing
 from value_pretrain import check_rerun, prepare_value_critic
 from reward import Grader
 
@@ -260,14 +260,22 @@ def start(cfg: Config):
     machine, or vLLM where it is missing, stops here, before any stage runs."""
     try:
         fsdp_utils.check_gpu_options(cfg.mixed_precision, cfg.cpu_offload)
-        if cfg.rollout == "vllm":
-            check_installed()
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    if cfg.rollout == "vllm" and (missing := vllm_missing()):
+        raise ConfigError(missing)
     dist_info = fsdp_utils.init_distributed(cpu_collectives=cfg.cpu_offload)
     torch.set_num_threads(cpu_threads(cfg))
     torch.manual_seed(cfg.seed)
     return dist_info
+
+
+def finish(engine) -> None:
+    """`start` undone, with the rollout engine: once every rank is done generating, the engine goes,
+    then the process group."""
+    fsdp_utils.barrier()
+    engine.close()
+    fsdp_utils.close_distributed()
 
 
 def left_behind(run_dir: str) -> str:
@@ -376,9 +384,7 @@ def run(cfg: Config, dist_info) -> dict:
     if fsdp_utils.is_main():
         rundir.write_json(os.path.join(run_dir, "summary.json"), summary)
         print_summary(summary, run_dir)
-    fsdp_utils.barrier()  # every rank is done generating before any engine goes
-    sampler.engine.close()
-    fsdp_utils.close_distributed()
+    finish(sampler.engine)
     return summary
 
 

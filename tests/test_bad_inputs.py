@@ -412,10 +412,11 @@ def test_the_sft_log_names_where_pi_sft_was_saved(out_dir, first_run):
 
 
 def test_unicode_digits_are_not_ascii_numbers():
-    from reward import rule_reward
+    from reward import Grader
 
-    assert rule_reward("\\boxed{١٢٣٤}", "1234") == -1.0 and rule_reward("\\boxed{１２３４}", "1234") == -1.0
-    assert rule_reward("\\boxed{１２３４}", "１２３４") == 1.0  # the ground truth's own text
+    with Grader(num_workers=1) as grader:  # the last: the ground truth's own text
+        graded = grader.grade(["\\boxed{١٢٣٤}", "\\boxed{１２３４}", "\\boxed{１２３４}"], ["1234", "1234", "１２３４"])
+    assert graded.outcomes == [-1.0, -1.0, 1.0]
 
 
 # 8. Users' data in the layouts of verl, TRL and GSM8K: one line each, nothing written --------------------

@@ -302,7 +302,7 @@ def test_task_difficulty_draws_the_built_in_problems_from_its_range_and_keeps_pi
     train, held_out = prepare_data(longer, task.build_tokenizer())
     ks = {p["difficulty"] for p in train + held_out}
     assert min(ks) == 46 and max(ks) == 52
-    assert all(len(str(task.parse_prompt(p["prompt"])[0])) == 10 for p in held_out)  # the long task's width
+    assert all(len(str(task.prompt_parts(p["prompt"])[0])) == 10 for p in held_out)  # the long task's width
     default_train, _ = prepare_data(default, task.build_tokenizer())
     assert min(p["difficulty"] for p in default_train) == 40  # the preset's own range, 40-52
     assert sft_settings(sft_config(longer)) == sft_settings(sft_config(default))  # one pi_SFT for both

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import reward
-from reward import Grader, last_boxed, rule_reward, terminal_rewards
+from reward import Grader, last_boxed, terminal_rewards
 
 # Shipped with the tests (its README: source and license). Read at import: a missing file fails
 # the collection of this module instead of skipping its tests.
@@ -20,10 +20,21 @@ CASES = [json.loads(line) for line in CASES_FILE.read_text().splitlines()]
 HANG = "\\boxed{9^{9^{9^{9}}}}"  # real math-verify hang: sympy evaluates the power tower in C
 
 
+@pytest.fixture(scope="module")
+def grader():
+    with Grader(num_workers=1) as g:
+        yield g
+
+
+def outcome(grader: Grader, response, gold) -> float:
+    """One response's outcome, graded as training grades its batches."""
+    return grader.grade([response], [gold]).outcomes[0]
+
+
 @pytest.mark.parametrize("case", CASES, ids=[f"{i}-{c['kind']}" for i, c in enumerate(CASES)])
-def test_rule_reward_agrees_with_math_verify_suite(case):
-    # The README's framing: the gold is wrapped as `$...$`; rule_reward does that itself.
-    assert rule_reward(case["response"], case["gold"]) == (1.0 if case["equal"] else -1.0)
+def test_the_verifier_agrees_with_math_verify_suite(case, grader):
+    # The README's framing: the gold is wrapped as `$...$`; the Grader does that itself.
+    assert outcome(grader, case["response"], case["gold"]) == (1.0 if case["equal"] else -1.0)
 
 
 @pytest.mark.parametrize("response, gold", [
@@ -40,35 +51,34 @@ def test_rule_reward_agrees_with_math_verify_suite(case):
     ("\\boxed{1 000}", "1000"), ("\\boxed{12 345 678}", "12345678"),  # TeX sets `1 000` as 1000
     ("\\boxed{1000}", "1\u00a0000"), ("\\boxed{1\u2009000}", "1000"), ("\\boxed{1\u202f000.5}", "1000.5"),
 ])
-def test_equivalent_forms_score_plus_one(response, gold):
-    assert rule_reward(response, gold) == 1.0
+def test_equivalent_forms_score_plus_one(response, gold, grader):
+    assert outcome(grader, response, gold) == 1.0
 
 
-def test_last_box_wins_over_earlier_boxes():
-    assert rule_reward("first \\boxed{3}, no wait: \\boxed{4}", "4") == 1.0
-    assert rule_reward("first \\boxed{4}, no wait: \\boxed{3}", "4") == -1.0
+def test_last_box_wins_over_earlier_boxes(grader):
+    assert outcome(grader, "first \\boxed{3}, no wait: \\boxed{4}", "4") == 1.0
+    assert outcome(grader, "first \\boxed{4}, no wait: \\boxed{3}", "4") == -1.0
 
 
-def test_box_in_prompt_only_is_not_scored():
+def test_box_in_prompt_only_is_not_scored(grader):
     prompt = "Example: 2+2 = \\boxed{4}. Now compute 2+2."
     response = "The answer is 4."
-    assert rule_reward(response, "4") == -1.0  # callers pass the response alone
-    assert rule_reward(prompt + response, "4") == 1.0  # the reason they must
+    assert outcome(grader, response, "4") == -1.0  # callers pass the response alone
+    assert outcome(grader, prompt + response, "4") == 1.0  # the reason they must
 
 
-def test_missing_unclosed_or_empty_box_scores_minus_one():
-    assert rule_reward("the answer is 4", "4") == -1.0
-    assert rule_reward("\\boxed{4} then truncated \\boxed{4", "4") == -1.0
-    assert rule_reward("\\boxed{}", "4") == -1.0
+def test_missing_unclosed_or_empty_box_scores_minus_one(grader):
+    assert outcome(grader, "the answer is 4", "4") == -1.0
+    assert outcome(grader, "\\boxed{4} then truncated \\boxed{4", "4") == -1.0
+    assert outcome(grader, "\\boxed{}", "4") == -1.0
     # TeX's unbraced box followed by math, not a number: an empty last box, not a crash of the grader
     for response in ["\\boxed $5$", "$\\boxed $", "\\boxed\n$5$", "\\boxed{5} then \\boxed $5$"]:
         assert last_boxed(response) is None
-        assert rule_reward(response, "5") == -1.0
-    with Grader(num_workers=1) as grader:
-        assert grader.grade(["\\boxed $5$", "\\boxed{5}"], ["5", "5"]).outcomes == [-1.0, 1.0]
+        assert outcome(grader, response, "5") == -1.0
+    assert grader.grade(["\\boxed $5$", "\\boxed{5}"], ["5", "5"]).outcomes == [-1.0, 1.0]
 
 
-def test_the_last_box_is_the_answer_even_without_braces_or_content():
+def test_the_last_box_is_the_answer_even_without_braces_or_content(grader):
     """A box written without braces right after the command (`\\boxed6`) or left bare at the end was
     passed over, and an earlier box graded in its place: a response that changed its mind from 5 to 6
     scored +1 against the gold 5."""
@@ -77,19 +87,18 @@ def test_the_last_box_is_the_answer_even_without_braces_or_content():
     revised = ["\\boxed{5} wait, recheck: \\boxed6", "\\boxed{5} wait, recheck: \\boxed",
                "\\boxed{5} or \\fbox", "\\boxed{5} or \\boxed 6"]
     for response in revised:
-        assert rule_reward(response, "5") == -1.0, response
-    with Grader(num_workers=1) as grader:
-        graded = grader.grade(revised, ["6", "5", "5", "6"])
+        assert outcome(grader, response, "5") == -1.0, response
+    graded = grader.grade(revised, ["6", "5", "5", "6"])
     assert graded.outcomes == [1.0, -1.0, -1.0, 1.0] and graded.num_missing_box == 2
 
 
-def test_nested_braces_and_fbox_are_extracted():
+def test_nested_braces_and_fbox_are_extracted(grader):
     assert last_boxed("x \\boxed{\\frac{1}{\\sqrt{2}}} y") == "\\frac{1}{\\sqrt{2}}"
     assert last_boxed("\\boxed{\\{1, 2\\}}") == "\\{1, 2\\}"
     assert last_boxed("\\boxed{a \\\\}") == "a \\\\"  # a line break \\ before the closing brace
     assert last_boxed("\\boxed{\\\\{x}}") == "\\\\{x}"  # \\ then a group, not \\{
     assert last_boxed("\\boxed{1} and \\fbox{2}") == "2"
-    assert rule_reward("\\fbox{\\frac{1}{\\sqrt{2}}}", "\\frac{\\sqrt{2}}{2}") == 1.0
+    assert outcome(grader, "\\fbox{\\frac{1}{\\sqrt{2}}}", "\\frac{\\sqrt{2}}{2}") == 1.0
 
 
 def test_escaped_braces_inside_a_box_are_literal_not_grouping():
@@ -98,15 +107,15 @@ def test_escaped_braces_inside_a_box_are_literal_not_grouping():
     assert last_boxed("so \\boxed{\\}}") == "\\}"
 
 
-def test_boxed_ground_truth_is_unwrapped():
-    assert rule_reward("\\boxed{0.25}", "$\\boxed{\\frac14}$") == 1.0
+def test_boxed_ground_truth_is_unwrapped(grader):
+    assert outcome(grader, "\\boxed{0.25}", "$\\boxed{\\frac14}$") == 1.0
 
 
 @pytest.mark.parametrize("gold", ["$\\frac14$", "$$\\frac14$$", "\\[ \\frac14 \\]", "\\(\\frac14\\)", "$\\[\\frac14\\]$"])
-def test_a_ground_truth_in_math_delimiters_is_unwrapped(gold):
+def test_a_ground_truth_in_math_delimiters_is_unwrapped(gold, grader):
     """A gold written `\\[ ... \\]` was parsed as `$\\[ ... \\]$` and matched no response."""
     assert reward._gold_text(gold) == "\\frac14"
-    assert rule_reward("\\boxed{0.25}", gold) == 1.0 and rule_reward("\\boxed{0.3}", gold) == -1.0
+    assert outcome(grader, "\\boxed{0.25}", gold) == 1.0 and outcome(grader, "\\boxed{0.3}", gold) == -1.0
 
 
 def test_fast_path_decides_without_math_verify():
@@ -116,12 +125,12 @@ def test_fast_path_decides_without_math_verify():
     assert reward._fast_verdict("\\frac12", "0.5") is None  # left to math-verify
 
 
-def test_rule_reward_never_raises_on_garbage():
+def test_the_verifier_never_raises_on_garbage(grader):
     """Any response is graded, garbage included; a ground truth that is not one is the caller's error."""
     for response in [None, 12, "\\boxed{\\frac{", "\\boxed{" + "{" * 5000, "\\boxed{\\begin{x}}", "\\boxed{)(}"]:
-        assert rule_reward(response, "1") == -1.0
+        assert outcome(grader, response, "1") == -1.0
     with pytest.raises(ValueError, match="answers\\[0\\] is None, not a ground truth"):
-        rule_reward("\\boxed{None}", None)  # graded as the text "None", it scored +1
+        outcome(grader, "\\boxed{None}", None)  # graded as the text "None", it scored +1
 
 
 def test_grader_rejects_mismatched_lengths_and_bad_settings():
@@ -142,7 +151,7 @@ def test_grader_rejects_mismatched_lengths_and_bad_settings():
 
 @pytest.mark.slow
 def test_grader_agrees_with_suite_and_reuses_its_workers():
-    cases = CASES[::4]  # every kind of answer is checked in-process above; this checks the pool
+    cases = CASES[::4]  # every kind of answer is checked one by one above; this checks the pool
     responses = [c["response"] for c in cases] + ["no box here"]
     golds = [c["gold"] for c in cases] + ["1"]
     with Grader(num_workers=2, timeout_s=10.0) as grader:
@@ -220,19 +229,21 @@ def test_the_math_verify_cases_are_all_there():
     assert len(CASES) == 80 and all({"gold", "response", "equal"} <= set(c) for c in CASES)
 
 
-def test_rule_reward_bounds_its_own_time_on_answers_that_hang_math_verify():
-    """Each of these ran past 30 s in math-verify; rule_reward scores each -1 after its timeout.
-    In a subprocess, so that an unbounded rule_reward fails the test instead of hanging it."""
+def test_the_grader_bounds_its_own_time_on_answers_that_hang_math_verify():
+    """Each of these ran past 30 s in math-verify; the Grader scores each -1 after its timeout.
+    In a subprocess, so that an unbounded Grader fails the test instead of hanging it."""
     code = """
 import sys, time
 import reward
 hostile = ["\\\\boxed{9^{9^{9}}}", "\\\\boxed{9^{9^{9^{9}}}}", "\\\\boxed{" + "{" * 10_000 + "1" + "}" * 10_000 + "}",
            "\\\\boxed{" + "+".join(["1"] * 500_000) + "}", "\\\\boxed{" + "(" * 3000 + "1" + ")" * 3000 + "}"]
-assert reward.rule_reward("\\\\boxed{\\\\frac12}", "0.5") == 1.0  # its worker is up
+grader = reward.Grader(num_workers=1, timeout_s=1.0)
+assert grader.grade(["\\\\boxed{\\\\frac12}"], ["0.5"]).outcomes == [1.0]  # its worker is up
 for answer in hostile:
     t0 = time.monotonic()
-    assert reward.rule_reward(answer, "1", timeout_s=1.0) == -1.0
+    assert grader.grade([answer], ["1"]).outcomes == [-1.0]
     print(time.monotonic() - t0)
+grader.close()
 """
     done = subprocess.run([sys.executable, "-c", code], cwd=Path(reward.__file__).parent, capture_output=True,
                           text=True, timeout=120)
@@ -254,22 +265,20 @@ def test_the_sft_report_grades_through_a_grader_with_a_timeout(monkeypatch):
     assert report["accuracy"] == 0.5 and time.monotonic() - t0 < 15  # the hang scored -1, the 5 +1
 
 
-def test_unicode_digits_are_left_to_math_verify_which_reads_no_number():
+def test_unicode_digits_are_left_to_math_verify_which_reads_no_number(grader):
     """Decided: digits are ASCII. The fast path must not grade `١٢٣٤` (Arabic-Indic) or `１２３４`
     (full-width) equal to 1234 when math-verify, which decides everything else, does not."""
     for answer in ("١٢٣٤", "１２３４"):
         assert reward._fast_verdict(answer, "1234") is None and not reward._math_equal(answer, "1234")
-        assert rule_reward(f"\\boxed{{{answer}}}", "1234") == -1.0
-        assert rule_reward(f"\\boxed{{{answer}}}", answer) == 1.0  # written as the ground truth is
+        assert outcome(grader, f"\\boxed{{{answer}}}", "1234") == -1.0
+        assert outcome(grader, f"\\boxed{{{answer}}}", answer) == 1.0  # written as the ground truth is
 
 
-def test_grader_and_rule_reward_refuse_an_infinite_timeout():
+def test_the_grader_refuses_an_infinite_timeout():
     """wait(timeout=inf) raises OverflowError at the first item that needs math-verify."""
     for bad in (math.inf, math.nan, 0.0):
         with pytest.raises(ValueError, match="timeout_s"):
             Grader(num_workers=1, timeout_s=bad)
-        with pytest.raises(ValueError, match="timeout_s"):
-            rule_reward("\\boxed{1}", "1", timeout_s=bad)
 
 
 def test_items_queued_behind_a_hung_item_in_its_chunk_are_graded_not_dropped():

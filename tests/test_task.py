@@ -5,7 +5,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from support import task
-from reward import rule_reward
+from reward import Grader
 
 
 @pytest.fixture(scope="module")
@@ -37,17 +37,18 @@ def test_tokenizer_round_trips_through_a_qwen2_checkpoint_dir(tokenizer, problem
 def test_full_traces_are_correct_under_the_task_arithmetic(problems):
     for p in problems:
         trace = task.parse_response(p["prompt"], task.full_response(p))
-        x, k = task.parse_prompt(p["prompt"])
+        x, k, _ = task.prompt_parts(p["prompt"])
         assert trace.strategy == "full"
         assert all(trace.line_ok) and len(trace.line_ok) == k == p["difficulty"]
         assert trace.boxed == p["answer"] == str(x * 2**k % 10**task.WIDTH)
 
 
 def test_full_traces_are_graded_plus_one_and_wrong_boxes_minus_one(problems):
-    for p in problems:
-        response = task.full_response(p)
-        assert rule_reward(response, p["answer"]) == 1.0
-        assert rule_reward(response.replace("{" + p["answer"], "{1" + p["answer"]), p["answer"]) == -1.0
+    right = [task.full_response(p) for p in problems]
+    wrong = [r.replace("{" + p["answer"], "{1" + p["answer"]) for r, p in zip(right, problems)]
+    answers = [p["answer"] for p in problems]
+    with Grader(num_workers=1) as grader:
+        assert grader.grade(right + wrong, answers * 2).outcomes == [1.0] * len(right) + [-1.0] * len(wrong)
 
 
 def test_sft_traces_are_classified_by_strategy(problems):
@@ -56,9 +57,9 @@ def test_sft_traces_are_classified_by_strategy(problems):
         full = task.sft_response(p, rng, shortcut_prob=0.0, merge_prob=0.0)
         merged = task.sft_response(p, rng, shortcut_prob=0.0, merge_prob=1.0)
         shortcut = task.sft_response(p, rng, shortcut_prob=1.0, merge_prob=0.0)
-        assert task.response_strategy(p["prompt"], full) == "full"
-        assert task.response_strategy(p["prompt"], merged) == ("merged" if p["difficulty"] > 1 else "full")
-        assert task.response_strategy(p["prompt"], shortcut) == "shortcut"
+        assert task.parse_response(p["prompt"], full).strategy == "full"
+        assert task.parse_response(p["prompt"], merged).strategy == ("merged" if p["difficulty"] > 1 else "full")
+        assert task.parse_response(p["prompt"], shortcut).strategy == "shortcut"
         for text in (merged, shortcut):  # every SFT target is right, only shorter
             trace = task.parse_response(p["prompt"], text)
             assert all(trace.line_ok) and trace.boxed == p["answer"]
@@ -68,7 +69,7 @@ def test_sft_traces_are_classified_by_strategy(problems):
 def test_sft_mix_has_the_requested_shortcut_share():
     problems = task.make_problems(2000, seed=5)
     rng = random.Random(2)
-    strategies = [task.response_strategy(p["prompt"], task.sft_response(p, rng, 0.3, 0.1)) for p in problems]
+    strategies = [task.parse_response(p["prompt"], task.sft_response(p, rng, 0.3, 0.1)).strategy for p in problems]
     assert 0.26 < strategies.count("shortcut") / len(strategies) < 0.34
     assert strategies.count("invalid") == 0
 
@@ -87,7 +88,7 @@ def test_problems_are_deterministic_given_the_seed_and_respect_the_difficulty_ra
     assert a == task.make_problems(50, seed=7, min_difficulty=3, max_difficulty=9)
     assert a != task.make_problems(50, seed=8, min_difficulty=3, max_difficulty=9)
     assert {p["difficulty"] for p in a} <= set(range(3, 10))
-    assert all(task.parse_prompt(p["prompt"])[1] == p["difficulty"] for p in a)
+    assert all(task.prompt_parts(p["prompt"])[1] == p["difficulty"] for p in a)
     rng_a, rng_b = random.Random(4), random.Random(4)
     assert [task.sft_response(p, rng_a) for p in a] == [task.sft_response(p, rng_b) for p in a]
 
@@ -109,7 +110,7 @@ def test_lines_are_judged_against_the_value_written_above():
                                   "labels_up", "trailing_text", "garbage"])
 def test_malformed_responses_are_invalid(edit):
     p = task.make_problems(1, seed=1, min_difficulty=5, max_difficulty=5)[0]
-    x, _ = task.parse_prompt(p["prompt"])
+    x, *_ = task.prompt_parts(p["prompt"])
     lines = task.full_response(p).split("\n")
     text = {
         "drop_box": "\n".join(lines[:-1]) + "\n",
@@ -121,7 +122,7 @@ def test_malformed_responses_are_invalid(edit):
         "trailing_text": "\n".join(lines) + "\n0",
         "garbage": "hello",
     }[edit]
-    assert task.response_strategy(p["prompt"], text) == "invalid"
+    assert task.parse_response(p["prompt"], text).strategy == "invalid"
 
 
 def test_bad_inputs_raise_value_errors(tokenizer):
@@ -130,9 +131,9 @@ def test_bad_inputs_raise_value_errors(tokenizer):
     with pytest.raises(ValueError):
         task.make_problems(3, seed=0, min_difficulty=5, max_difficulty=4)
     with pytest.raises(ValueError):
-        task.parse_prompt("What is 2+2?")
+        task.prompt_parts("What is 2+2?")
     with pytest.raises(ValueError):
-        task.response_strategy("14370*2^d=\n", "a:2874")  # x has exactly WIDTH digits
+        task.parse_response("14370*2^d=\n", "a:2874")  # x has exactly WIDTH digits
     with pytest.raises(ValueError):
         task.step_line(1437, 3, 5)  # at most MAX_MERGE doublings per line
     with pytest.raises(ValueError):
@@ -156,21 +157,23 @@ def test_long_shape_has_wide_lines_and_long_traces_graded_like_the_short_ones(to
     problems = task.make_problems(30, 4, *shape.difficulty, shape.width)
     rng = random.Random(3)
     for p in problems:
-        x, k = task.parse_prompt(p["prompt"])
+        x, k, _ = task.prompt_parts(p["prompt"])
         assert len(str(x)) == shape.width and shape.difficulty[0] <= k <= shape.difficulty[1]
         full = task.full_response(p)
         trace = task.parse_response(p["prompt"], full)
         assert trace.strategy == "full" and all(trace.line_ok) and trace.boxed == p["answer"]
         assert len(full.split("\n")[0]) == shape.width + 2  # label, ":", the digits
-        assert rule_reward(full, p["answer"]) == 1.0
         mixed = task.sft_response(p, rng)
-        assert task.response_strategy(p["prompt"], mixed) != "invalid"
-    lengths = sorted(len(tokenizer(task.full_response(p))["input_ids"]) for p in problems)
+        assert task.parse_response(p["prompt"], mixed).strategy != "invalid"
+    fulls = [task.full_response(p) for p in problems]
+    with Grader(num_workers=1) as grader:
+        assert grader.grade(fulls, [p["answer"] for p in problems]).outcomes == [1.0] * len(problems)
+    lengths = sorted(len(tokenizer(full)["input_ids"]) for full in fulls)
     assert lengths[0] >= 250 and lengths[len(lengths) // 2] >= 500  # many GAE horizons of 20 tokens
     # A line with the short task's width is malformed in a long problem, and the default is unchanged.
     line = task.full_response(problems[0]).split("\n")[0]
     short_line = line[: line.index(":") + 1] + line[-4:]
-    assert task.response_strategy(problems[0]["prompt"], short_line + "\n\\boxed{1}") == "invalid"
+    assert task.parse_response(problems[0]["prompt"], short_line + "\n\\boxed{1}").strategy == "invalid"
     assert task.make_problems(5, seed=0) == task.make_problems(5, 0, 1, 48, width=4)
     with pytest.raises(ValueError):
         task.make_problems(1, seed=0, width=7)
@@ -183,7 +186,7 @@ def test_every_line_holds_the_last_width_digits_of_x_times_a_power_of_two(length
     checked here against x * 2^i mod 10^width computed independently, single and merged."""
     shape = task.SHAPES[length]
     for p in task.make_problems(20, 6, *shape.difficulty, shape.width):
-        x, k = task.parse_prompt(p["prompt"])
+        x, k, _ = task.prompt_parts(p["prompt"])
         for merge in (0.0, 1.0):
             lines = task.sft_response(p, random.Random(0), shortcut_prob=0.0, merge_prob=merge).split("\n")[:-1]
             done = 0
@@ -197,7 +200,7 @@ def test_every_line_holds_the_last_width_digits_of_x_times_a_power_of_two(length
 def test_x_is_drawn_from_every_number_of_width_digits_and_no_other():
     """make_problems draws x uniformly from 10^(w-1) .. 10^w - 1: over 20,000 problems both ends
     come up, and no x of w + 1 digits (10^w), whose prompt is no task prompt."""
-    xs = [task.parse_prompt(p["prompt"])[0] for p in task.make_problems(20000, seed=0)]
+    xs = [task.prompt_parts(p["prompt"])[0] for p in task.make_problems(20000, seed=0)]
     assert min(xs) == 10 ** (task.WIDTH - 1) and max(xs) == 10**task.WIDTH - 1
 
 
@@ -207,7 +210,7 @@ def test_a_line_doing_more_doublings_than_are_left_is_invalid(edit):
     two doublings with one left ("aZ", Z the label below "a" when counting wraps round), nor a line
     after the last one ("Z")."""
     p = task.make_problems(1, seed=1, min_difficulty=3, max_difficulty=3)[0]
-    x, _ = task.parse_prompt(p["prompt"])
+    x, *_ = task.prompt_parts(p["prompt"])
     lines = task.full_response(p).split("\n")  # c:, b:, a:, \boxed{}
     value = int(lines[1].split(":")[1])
     text = {
@@ -216,7 +219,7 @@ def test_a_line_doing_more_doublings_than_are_left_is_invalid(edit):
         "line_after_the_last": "\n".join(lines[:3] + ["Z:" + str(x * 16 % 10**task.WIDTH).zfill(task.WIDTH),
                                                        lines[-1]]),
     }[edit]
-    assert task.response_strategy(p["prompt"], text) == "invalid"
+    assert task.parse_response(p["prompt"], text).strategy == "invalid"
 
 
 def test_the_tiny_model_is_drawn_from_its_own_seed_and_has_the_positions_asked_for(tokenizer):
