@@ -21,7 +21,8 @@ task, sampling, reward and the stages --build runs are the run's.
     python analysis/advantage_bias.py                 # critics of runs/: writes runs/analysis/advantage_bias.*
     python analysis/advantage_bias.py --build         # first runs train.py's missing stages (SFT, ORM, §3.2)
     python analysis/advantage_bias.py --rollouts 64 --critic PATH -- --out-dir runs --run-name myrun
-    python analysis/advantage_bias.py --offset -2 -- --out-dir runs/collapse   # the critics of analysis/collapse.py
+    python analysis/advantage_bias.py --offset -2 -- --out-dir runs/collapse --run-name collapse__vc-ppo__offset-2__seed0 \
+        --critic-init sft --lam-critic 1.0 --critic-init-offset -2   # the critics of analysis/collapse.py (its vc-ppo run's flags)
 """
 import dataclasses
 import os
