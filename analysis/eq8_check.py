@@ -207,9 +207,12 @@ def markdown(res: Eq8Result, args: Args, seconds: float) -> str:
         f"and lambdas ({'holds' if res.eq8_max_err < tol else 'FAILS'} at tolerance {tol:g}).",
         f"- Baseline term: max ||E[sum_t V'(s_t) grad log pi]|| / ||g_true|| = {max(res.baseline_rel.values()):.1e} "
         f"over critics ({'zero' if max(res.baseline_rel.values()) < tol else 'NOT zero'}).",
-        f"- lambda = 1: max relative bias over critics = {max(lam1):.1e}." if lam1 else "- lambda = 1 not run.",
-        f"- V' = V^pi: max relative bias over lambdas = {max(exact.values()):.1e}.",
-        f"- lambda < 1 with a wrong critic: relative bias {min(wrong):.1e} to {max(wrong):.1e}." if wrong else "",
+        f"- lambda = 1: max relative bias over critics = {max(lam1):.1e} "
+        f"({'unbiased' if max(lam1) < tol else 'BIASED'} at tolerance {tol:g})." if lam1 else "- lambda = 1 not run.",
+        f"- V' = V^pi: max relative bias over lambdas = {max(exact.values()):.1e} "
+        f"({'unbiased' if max(exact.values()) < tol else 'BIASED'} at tolerance {tol:g}).",
+        f"- lambda < 1 with a wrong critic: relative bias {min(wrong):.1e} to {max(wrong):.1e} "
+        f"({'biased, every one' if min(wrong) >= tol else 'NOT biased for some'} at tolerance {tol:g})." if wrong else "",
     ]
     return "\n".join([
         "# Equation 8 by exact enumeration (paper §3.3)", "",

@@ -141,3 +141,13 @@ def test_relative_bias_is_the_gradient_error_over_the_true_gradients_norm():
     g_gae = eq8_check.expected_score_gradient(mdp, mdp.rewards)
     expected = float((g_gae - g_true).norm() / g_true.norm())
     assert expected > 0.1 and res.rel_bias["zero"][0.0] == pytest.approx(expected, rel=1e-5)
+
+
+def test_eq8_report_gives_a_verdict_for_every_fact(tiny_result):
+    """Facts 3 and 4 (lambda = 1, and V' = V^pi, unbiased) printed numbers with no verdict, unlike the
+    identity and the baseline term; each fact now says whether it holds at the tolerance."""
+    args = eq8_check.Args(n_tokens=2, horizon=4, lambdas=(0.0, 0.5, 0.95, 1.0))
+    facts = [line for line in eq8_check.markdown(tiny_result, args, 0.0).splitlines() if line.startswith("- ")]
+    assert len(facts) == 5
+    assert "(unbiased at tolerance" in facts[2] and "(unbiased at tolerance" in facts[3]
+    assert "(biased, every one at tolerance" in facts[4]
