@@ -5,9 +5,10 @@ On the built-in task a response is a full chain (one doubling a line), a merged 
 doublings on some lines) or a shortcut (an answer boxed before the chain is done, which at the
 long task's lengths is never right); a response that is none of these is invalid (malformed, or no
 box), or truncated (cut off at the run's max_new_tokens). This script samples pi_SFT and the actor
-of each finished train.py run, from its last checkpoint, on the same held-out problems, and
+of each finished train.py run, from its last checkpoint, on the same fresh problems (drawn by
+--seed from the task's generator, not held out from training's draws), and
 tabulates for each the pass@1, the share and accuracy of every strategy, the per-line accuracy of
-the worked lines, and the share of the worked doublings done two to a line (`sft.evaluate_task`).
+the worked lines, and the share of the worked doublings done more than one to a line (`sft.evaluate_task`).
 So a fall in accuracy reads as fewer worked chains or worse lines, and a merged share above
 pi_SFT's as reasoning compressed into fewer tokens: the shortening that the paper's collapse is
 made of, chosen hundreds of tokens before the reward.
@@ -39,7 +40,7 @@ class Args:
     runs: tyro.conf.Positional[tuple[Path, ...]]
     """finished train.py run directories of the built-in task, all with the same pi_SFT"""
     problems: int = 128
-    """held-out problems, one sample each"""
+    """fresh problems (not held out from training's draws), one sample each"""
     seed: int = 1234
     """seed of the problems and of sampling"""
     out: Path = Path("runs/analysis")
@@ -106,10 +107,10 @@ def main(args: Args) -> dict:
                                       temperature=base.temperature, seed=args.seed,
                                       grader_timeout_s=base.grader_timeout_s)
         print(f"{name}: pass@1 {reports[name]['accuracy']:.3f}", flush=True)
-    lines = [f"# Strategies after PPO: {args.problems} held-out problems of k {low}-{high}, one sample each "
+    lines = [f"# Strategies after PPO: {args.problems} fresh problems of k {low}-{high} (--seed {args.seed}), one sample each "
              f"(temperature {base.temperature}, {base.max_new_tokens} tokens)",
              "", "Each strategy: share of responses (its accuracy). Line accuracy: worked lines that are right. "
-             "Doublings merged: the share of all worked doublings that were done two to a line.", "",
+             "Doublings merged: the share of all worked doublings that were done more than one to a line.", "",
              "| policy | pass@1 | mean length | " + " | ".join(STRATEGIES) +
              " | line acc., single | line acc., merged | doublings merged |",
              "|---|---|---|" + "---|" * len(STRATEGIES) + "---|---|---|"]
