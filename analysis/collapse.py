@@ -143,8 +143,22 @@ def moving_average(x: list[float], window: int = WINDOW) -> np.ndarray:
 
 
 def length_ratio(lengths: list[float], window: int = WINDOW) -> float:
-    """Lowest moving average of the batch-mean response length over the first step's batch mean."""
+    """Lowest moving average of the batch-mean response length over the first step's batch mean.
+    Both are noisy: the first step is one batch, which every arm of a seed shares, and the lowest of
+    the moving averages sits below their level. A run with no trend in length (the built-in task's
+    per-step spread, 64 responses a step, 30 steps) reads 0.77-1.13 (5-95%, median 0.92)."""
     return float(moving_average(lengths, window).min() / lengths[0])
+
+
+def against_grpo(runs: dict[str, list[dict]]) -> None:
+    """Each run's lowest moving average of the length over that of the same seed's GRPO run, written
+    to its "length_vs_grpo" (None without one): the arms of a seed share the first batch and the
+    prompts, so the first batch's draw, and most of the trough's, cancel; GRPO has no critic to err."""
+    grpo = {r["seed"]: moving_average(r["curves"]["response_length/mean"]).min() for r in runs.get("grpo", [])}
+    for rows in runs.values():
+        for r in rows:
+            low = moving_average(r["curves"]["response_length/mean"]).min()
+            r["length_vs_grpo"] = float(low / grpo[r["seed"]]) if r["seed"] in grpo else None
 
 
 def recovery_steps(lengths: list[float], window: int = WINDOW) -> int | None:
@@ -235,6 +249,7 @@ def measure(runs: dict[str, list[ablation.Run]], offset: float) -> dict:
     m["lambda_actor"] = f"lambda {lams.pop():g}" if len(lams) == 1 else "lambda_actor"
     sft = {r["seed"]: r["sft_acc"] for rows in m["runs"].values() for r in rows}  # one pi_SFT score per seed
     m["sft_acc"] = ablation.mean_std(list(sft.values()))[0]
+    against_grpo(m["runs"])
     m["goals"] = goals(m, offset)
     return m
 
@@ -351,16 +366,18 @@ def markdown(m: dict, runs: dict[str, list[ablation.Run]]) -> str:
 
     flags = " ".join(m.get("train_flags", [])) or "none (the tiny preset)"
     lines = ["# Fig. 1 by intervention on the built-in task: the critic's initial error set by hand", "",
-             f"train.py flags after `--` for every run: {flags}. Seeds {m['seeds']}, mean ± std over seeds. Initial error: mean V(s_t) - G_t over the first batch's "
+             f"train.py flags after `--` for every run: {flags}. Seeds {m['seeds']}, mean ± sample std over seeds (not a standard error). Initial error: mean V(s_t) - G_t over the first batch's "
              f"tokens (all / the first quarter of the positions up to --max-new-tokens). Advantage at step 0: mean (before whitening) over the last token "
              f"and over the others. Length ratio: lowest {WINDOW}-step mean of the batch-mean length over the first "
-             f"step's; accuracy ratio: lowest {WINDOW}-step mean of training accuracy over pi_SFT's held-out pass@1 "
+             f"step's (a run with no trend in length reads 0.77-1.13, 5-95%: the first step is one batch); length vs "
+             f"GRPO: the lowest {WINDOW}-step mean over the same seed's GRPO run's (the same first batch and prompts); "
+             f"accuracy ratio: lowest {WINDOW}-step mean of training accuracy over pi_SFT's held-out pass@1 "
              f"({m['sft_acc']:.3f}). Calibrated: the first step whose |mean V(s_t) - G_t| <= {CALIBRATED}, per seed. "
              f"Recovery: steps from the trough back to {RECOVERED} of the first length, per seed (0: never fell below "
              f"it; -: not within the run).", "",
              "| arm | seeds | initial error (all) | (first quarter) | step-0 advantage, last token | (other tokens) "
-             "| calibrated at step | length ratio | accuracy ratio | recovery (steps) | final pass@1 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| calibrated at step | length ratio | length vs GRPO | accuracy ratio | recovery (steps) | final pass@1 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     order = sorted(m["runs"], key=lambda a: (a.startswith("ppo-offset"), m["offsets"].get(a) or 0))
     for arm in order:
         seeds = ",".join(str(r["seed"]) for r in m["runs"][arm])
@@ -368,7 +385,8 @@ def markdown(m: dict, runs: dict[str, list[ablation.Run]]) -> str:
                      f"{pm(arm, 'initial_error_first_quarter', signed=True)} | "
                      f"{pm(arm, 'first_step_advantage_last_token', signed=True)} | "
                      f"{pm(arm, 'first_step_advantage_other_tokens', signed=True)} | {per_seed(arm, 'calibration_steps')} | "
-                     f"{pm(arm, 'length_ratio')} | {pm(arm, 'acc_ratio')} | {per_seed(arm, 'recovery_steps')} | "
+                     f"{pm(arm, 'length_ratio')} | {pm(arm, 'length_vs_grpo')} | {pm(arm, 'acc_ratio')} | "
+                     f"{per_seed(arm, 'recovery_steps')} | "
                      f"{pm(arm, 'final_acc')} |")
     lines += ["", f"Fig. 2 from the same runs: mean advantage ({m['lambda_actor']}, before whitening) over each quarter "
               "of the token positions up to --max-new-tokens in the first batch, early to late:", "", "| arm | 1st | 2nd | 3rd | 4th |", "|---|---|---|---|---|"]

@@ -174,6 +174,29 @@ def test_micro_grid_through_train_py_ends_with_the_summary_line(tmp_path):
     assert (tmp_path / "out" / "collapse.md").read_text().strip().endswith(last)
 
 
+def test_each_arm_is_also_read_against_the_same_seeds_grpo_run(tmp_path):
+    """The length ratio divides by the first step's batch, one draw that every arm of a seed shares:
+    a run with no trend reads 0.77-1.13. Against the same seed's GRPO run (the same first batch and
+    prompts) that draw cancels: an arm that holds reads 1 on every seed, whatever the first batch."""
+    args = collapse.Args(out=tmp_path / "out", out_dir=str(tmp_path), arms=("vc-ppo", "decoupled-gae", "grpo"),
+                         seeds=(0, 1), steps=6, read_only=True)
+    runs = collapse.plan(args, [])
+    for seed, first in ((0, 500), (1, 700)):  # an unlucky short and a lucky long first batch
+        level = [first, 600, 600, 600, 600, 600]
+        fake_run(runs["grpo"][seed], level, [0.25] * 6, error=None, final=0.3)
+        fake_run(runs["vc-ppo"][seed], level, [0.25] * 6, error=-0.1, final=0.3)
+        fake_run(runs["decoupled-gae"][seed], [first, 600, 450, 450, 450, 450], [0.25] * 6, error=-1.0, final=0.3)
+    m = collapse.measure(collapse.plan(args, []), -2.0)
+    # Lowest 5-step means: GRPO and vc-ppo 580 (seed 0) and 600 (seed 1), decoupled-gae 480 on both.
+    assert [r["length_ratio"] for r in m["runs"]["vc-ppo"]] == pytest.approx([580 / 500, 600 / 700])  # the draw
+    assert [r["length_vs_grpo"] for r in m["runs"]["vc-ppo"]] == pytest.approx([1.0, 1.0])
+    assert [r["length_vs_grpo"] for r in m["runs"]["decoupled-gae"]] == pytest.approx([480 / 580, 480 / 600])
+    table = collapse.markdown(m, runs)
+    assert "| length ratio | length vs GRPO |" in table
+    assert [r["length_vs_grpo"] for r in collapse.measure(collapse.plan(
+        dataclasses.replace(args, arms=("vc-ppo",)), []), -2.0)["runs"]["vc-ppo"]] == [None, None]
+
+
 def test_fig2_is_labelled_with_the_runs_own_lambda_actor(tmp_path):
     """The Fig. 2 table and panel said "lambda 0.95" whatever lambda_actor the runs were given after `--`."""
     args = collapse.Args(out_dir=str(tmp_path), arms=("ppo", "vc-ppo"), seeds=(0,), steps=6, read_only=True)
