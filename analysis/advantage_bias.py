@@ -270,10 +270,13 @@ def pooled_mean(sums: list[float], counts: list[float]) -> tuple[float, np.ndarr
     """The mean over every token of some positions, sum_i s_i / sum_i n_i over responses i (s_i, n_i:
     response i's sum and token count there), and each response's influence on it,
     (s_i - mean n_i) / sum_i n_i: the responses are the independent draws, not the tokens, so a
-    standard error is taken over these (`standard_error`), of a difference of means too."""
+    standard error is taken over these (`standard_error`), of a difference of means too. NaN (and
+    NaN influences) where no response has a token there."""
     s, n = np.asarray(sums, dtype=np.float64), np.asarray(counts, dtype=np.float64)
-    mean = s.sum() / max(n.sum(), 1.0)
-    return float(mean), (s - mean * n) / max(n.sum(), 1.0)
+    if n.sum() == 0:
+        return float("nan"), np.full(len(s), np.nan)
+    mean = s.sum() / n.sum()
+    return float(mean), (s - mean * n) / n.sum()
 
 
 def standard_error(influence: np.ndarray) -> float:
@@ -339,6 +342,8 @@ def sign_sentence(first_bin: float, first_se: float, early: float, early_se: flo
     """The verdict on Fig. 2's bias: the first bin's level against 0, then early tokens against every
     later position, each judged at 2 standard errors."""
     def against(mean, se, above, below, neither):
+        if not np.isfinite(mean):  # no token at the positions compared
+            return "undefined (no token there)"
         return neither if abs(mean) <= 2 * se else above if mean > 0 else below
 
     level = against(first_bin, first_se, "above 0", "below 0", "within 2 SE of 0")
@@ -408,7 +413,7 @@ def markdown(r: BiasResult, paths: dict, gamma: float, seconds: dict) -> str:
             summary.append(f"| {LABELS[name]} | {lam:g} | {r.pearson[name][lam]:+.3f} | {adv[0]:+.3f} ± {2 * se:.3f} | "
                            f"{early:+.3f} ± {2 * early_se:.3f} | {all_mean:+.3f} | {r.values[name][0]:+.3f} |")
             signs.append(f"- {LABELS[name]}, lambda = {lam:g}: first-bin mean advantage {adv[0]:+.3f} "
-                         f"(all tokens {all_mean:+.3f}), less the later positions' {early:+.3f}: "
+                         f"(all tokens {all_mean:+.3f}); first bin less the later positions {early:+.3f}: "
                          f"{sign_sentence(adv[0], se, early, early_se)}.")
     names = list(r.values)
     head = ("| tokens t | n tokens | mean return | " + " | ".join(f"V {name}" for name in names)

@@ -272,6 +272,11 @@ def test_orm_quality_and_early_against_later_positions_are_reported(bias):
     assert q["responses"] == 6 and q["base_rate"] == pytest.approx(max(share_correct, 1 - share_correct))
     assert q["correct"] == round(result.rollout["accuracy"] * 6)  # the ORM is judged on these rollouts' verdicts
     assert set(result.early_vs_later) == set(advantage_bias.CRITICS)
+    for name, by_lambda in result.advantages.items():  # the first bin's mean less the token mean of every later bin
+        for lam, adv in by_lambda.items():
+            later = (adv[1:] * result.tokens[1:]).sum() / result.tokens[1:].sum()
+            assert result.early_vs_later[name][lam][0] == pytest.approx(adv[0] - later, abs=1e-9)
+            assert 0 < result.early_vs_later[name][lam][1] < np.inf and 0 < result.first_bin_se[name][lam] < np.inf
     md = (out / "advantage_bias.md").read_text()
     assert "base rate" in md and "first bin less the later positions" in md
 
@@ -326,13 +331,17 @@ def test_early_tokens_are_judged_against_later_positions_not_against_their_own_r
     for bin_size in (1, 2, 4):
         sums = advantage_bias.position_sums([scored], object(), (0.95, 1.0), 1.0, 12, bin_size=bin_size)
         for lam in (0.95, 1.0):
-            first, first_influence = advantage_bias.pooled_mean(sums["early_adv"][lam], sums["early_count"])
-            later, later_influence = advantage_bias.pooled_mean(sums["later_adv"][lam], sums["later_count"])
+            first, _ = advantage_bias.pooled_mean(sums["early_adv"][lam], sums["early_count"])
+            later, _ = advantage_bias.pooled_mean(sums["later_adv"][lam], sums["later_count"])
             assert (first, later) == pytest.approx((0.0, 0.0), abs=1e-12)
     # The standard error of a pooled mean is over responses: two responses of sums 3 and -1 over 1 and
     # 3 tokens have the mean 0.5 and influences (3 - 0.5) / 4, (-1 - 1.5) / 4: SE sqrt(2 * 2 * 0.625^2).
     mean, influence = advantage_bias.pooled_mean([3.0, -1.0], [1, 3])
     assert mean == 0.5 and advantage_bias.standard_error(influence) == pytest.approx(2 * 0.625)
+    # Positions no response reaches have no mean (not 0), and no verdict is drawn from them.
+    mean, influence = advantage_bias.pooled_mean([0.0, 0.0], [0, 0])
+    assert np.isnan(mean) and np.isnan(advantage_bias.standard_error(influence))
+    assert advantage_bias.sign_sentence(0.3, 0.05, mean, np.nan).endswith("undefined (no token there)")
     sentence = advantage_bias.sign_sentence
     assert sentence(-0.6, 0.05, 0.01, 0.02) == "level below 0; early tokens no different from later ones (within 2 SE)"
     assert sentence(0.3, 0.05, -0.2, 0.05).startswith("level above 0; early tokens penalised against later ones")
