@@ -145,9 +145,26 @@ def moving_average(x: list[float], window: int = WINDOW) -> np.ndarray:
 def length_ratio(lengths: list[float], window: int = WINDOW) -> float:
     """Lowest moving average of the batch-mean response length over the first step's batch mean.
     Both are noisy: the first step is one batch, which every arm of a seed shares, and the lowest of
-    the moving averages sits below their level. A run with no trend in length (the built-in task's
-    per-step spread, 64 responses a step, 30 steps) reads 0.77-1.13 (5-95%, median 0.92)."""
+    the moving averages sits below their level (`no_trend_band`: what it reads by chance)."""
     return float(moving_average(lengths, window).min() / lengths[0])
+
+
+def no_trend_band(curves: list[list[float]], window: int = WINDOW, draws: int = 20000) -> dict:
+    """What `length_ratio` reads by chance alone: its 5th, 50th and 95th percentiles over runs with
+    no trend in length, each step's batch mean drawn around one level, the runs' start (the median
+    of their first `window` batch means), with the spread `curves` (the runs' batch-mean lengths) show
+    from step to step (the std of their step-to-step changes over sqrt 2, which a slow trend barely
+    moves; median over runs), for as many steps as they ran."""
+    spread = float(np.median([np.std(np.diff(c)) / np.sqrt(2) for c in curves]))
+    level = float(np.median([np.mean(c[:window]) for c in curves]))
+    steps = int(np.median([len(c) for c in curves]))
+    x = level + spread * np.random.default_rng(0).standard_normal((draws, steps))
+    w = min(window, steps)
+    sums = np.cumsum(np.pad(x, ((0, 0), (1, 0))), axis=1)
+    lowest = ((sums[:, w:] - sums[:, :-w]) / w).min(axis=1)  # the lowest moving average of each draw
+    low, median, high = np.percentile(lowest / x[:, 0], [5, 50, 95])
+    return {"low": float(low), "median": float(median), "high": float(high), "spread": spread, "level": level,
+            "steps": steps}
 
 
 def against_grpo(runs: dict[str, list[dict]]) -> None:
@@ -250,6 +267,7 @@ def measure(runs: dict[str, list[ablation.Run]], offset: float) -> dict:
     sft = {r["seed"]: r["sft_acc"] for rows in m["runs"].values() for r in rows}  # one pi_SFT score per seed
     m["sft_acc"] = ablation.mean_std(list(sft.values()))[0]
     against_grpo(m["runs"])
+    m["no_trend_band"] = no_trend_band([r["curves"]["response_length/mean"] for rows in m["runs"].values() for r in rows])
     m["goals"] = goals(m, offset)
     return m
 
@@ -365,11 +383,14 @@ def markdown(m: dict, runs: dict[str, list[ablation.Run]]) -> str:
         return ", ".join("-" if r[key] is None else str(r[key]) for r in m["runs"][arm])
 
     flags = " ".join(m.get("train_flags", [])) or "none (the tiny preset)"
+    band = m["no_trend_band"]
     lines = ["# Fig. 1 by intervention on the built-in task: the critic's initial error set by hand", "",
              f"train.py flags after `--` for every run: {flags}. Seeds {m['seeds']}, mean ± sample std over seeds (not a standard error). Initial error: mean V(s_t) - G_t over the first batch's "
              f"tokens (all / the first quarter of the positions up to --max-new-tokens). Advantage at step 0: mean (before whitening) over the last token "
              f"and over the others. Length ratio: lowest {WINDOW}-step mean of the batch-mean length over the first "
-             f"step's (a run with no trend in length reads 0.77-1.13, 5-95%: the first step is one batch); length vs "
+             f"step's (by chance alone, a run with no trend in length reads {band['low']:.2f}-{band['high']:.2f}, 5-95%, "
+             f"median {band['median']:.2f}, at these runs' step-to-step spread of {band['spread']:.0f} tokens around "
+             f"{band['level']:.0f} over {band['steps']} steps: the first step is one batch); length vs "
              f"GRPO: the lowest {WINDOW}-step mean over the same seed's GRPO run's (the same first batch and prompts); "
              f"accuracy ratio: lowest {WINDOW}-step mean of training accuracy over pi_SFT's held-out pass@1 "
              f"({m['sft_acc']:.3f}). Calibrated: the first step whose |mean V(s_t) - G_t| <= {CALIBRATED}, per seed. "

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from support import config
@@ -195,6 +196,22 @@ def test_each_arm_is_also_read_against_the_same_seeds_grpo_run(tmp_path):
     assert "| length ratio | length vs GRPO |" in table
     assert [r["length_vs_grpo"] for r in collapse.measure(collapse.plan(
         dataclasses.replace(args, arms=("vc-ppo",)), []), -2.0)["runs"]["vc-ppo"]] == [None, None]
+
+
+def test_the_no_trend_band_is_what_the_length_ratio_reads_by_chance_at_the_runs_spread():
+    """The length ratio of a run with no trend is not 1: its first step is one batch, and the lowest
+    moving average sits below the level. `no_trend_band` simulates it at the runs' own spread."""
+    rng = np.random.default_rng(1)
+    quiet, noisy = ([list(500 + sd * rng.standard_normal(30)) for _ in range(6)] for sd in (2.0, 40.0))
+    flat = collapse.no_trend_band([[500.0] * 30] * 3)
+    assert (flat["low"], flat["median"], flat["high"]) == (1.0, 1.0, 1.0)
+    q, n = collapse.no_trend_band(quiet), collapse.no_trend_band(noisy)
+    assert q["spread"] == pytest.approx(2.0, rel=0.4) and n["spread"] == pytest.approx(40.0, rel=0.4)
+    assert n["low"] < q["low"] < q["median"] < 1.0 < q["high"] < n["high"]  # the trough sits below the level
+    # One run's own draws of the ratio fall in its band about as often as the band says (90%).
+    inside = [n["low"] <= collapse.length_ratio(list(500 + 40 * rng.standard_normal(30))) <= n["high"]
+              for _ in range(400)]
+    assert 0.8 < np.mean(inside) < 0.97
 
 
 def test_fig2_is_labelled_with_the_runs_own_lambda_actor(tmp_path):
