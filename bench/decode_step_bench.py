@@ -19,10 +19,12 @@ Times are the median of --repeats timings of 20 steps each.
 The bound. No engine that keeps the weights and the K/V cache in fp32 can take a step in less than
 its matmul FLOPs at the machine's matmul rate on these shapes (rollout_bench.matmul_flops_per_s)
 plus its K/V bytes (rows x layers x 2 x kv_heads x head_dim x 4 x keys) at the machine's read
-bandwidth (a sum over 256 MB of fp32, fastest of 3): it ignores every other operator and sampling,
+bandwidth for that many bytes (a sum over a tensor of the K/V's size, fastest of 3: a K/V that fits
+in the processor's last-level cache is read from there, as each step reads it again): it ignores
+every other operator and sampling,
 and assumes the two never wait on each other. best_speedup = hf / bound is the most any engine
 could gain over `hf-fast` at that context. The last line, per --keys:
-    decode keys=<k> hf_ms=<a> ops_ms=<b> sdpa_ms=<c> matmul_ms=<d> bound_ms=<e> best_speedup=<a/e>
+    decode keys=<k> hf_ms=<a> ops_ms=<b> sdpa_ms=<c> matmul_ms=<d> bound_ms=<e> best_speedup=<a/e> kv_read_gb_per_s=<r>
 """
 
 from __future__ import annotations
@@ -49,9 +51,11 @@ def timed_ms(step, repeats: int, steps: int = 20) -> float:
     return statistics.median(timings)
 
 
-def read_bytes_per_s() -> float:
-    """The machine's read bandwidth: bytes of a 256 MB fp32 tensor summed per second, fastest of 3."""
-    data = torch.ones(64 * 2**20)
+def read_bytes_per_s(nbytes: int = 2**28) -> float:
+    """The machine's read bandwidth for `nbytes`: bytes of an fp32 tensor that size summed per
+    second, fastest of 3 (after a first sum, which brings it into whatever cache holds it)."""
+    data = torch.ones(max(nbytes // 4, 1))
+    data.sum()
     timings = []
     for _ in range(3):
         start = time.perf_counter()
@@ -114,7 +118,7 @@ class OperatorStep:
         return model.model.norm(h) @ model.lm_head.weight.t()
 
 
-def measure(model, rows: int, keys: int, repeats: int, rate: float, bandwidth: float) -> dict:
+def measure(model, rows: int, keys: int, repeats: int, rate: float) -> dict:
     """Time one decoding step at `rows` rows and `keys` cached positions (module docstring)."""
     from support.fast_rollout import Decoder, sample_tokens
 
@@ -166,8 +170,9 @@ def measure(model, rows: int, keys: int, repeats: int, rate: float, bandwidth: f
     flops = 2 * rows * sum(w.numel() for layer in ops.layers for k, w in layer.items() if k in ("qkv", "o", "gate_up", "down"))
     flops += 2 * rows * model.lm_head.weight.numel()
     kv_bytes = rows * len(layers) * 2 * ops.kv_heads * head_dim * 4 * keys
-    bound = (flops / rate + kv_bytes / bandwidth) * 1e3
-    return result | {"bound": bound, "difference": difference, "flops": flops, "kv_bytes": kv_bytes}
+    kv_read_s = kv_bytes / read_bytes_per_s(kv_bytes)
+    bound = (flops / rate + kv_read_s) * 1e3
+    return result | {"bound": bound, "kv_read_s": kv_read_s, "difference": difference, "flops": flops, "kv_bytes": kv_bytes}
 
 
 def main(argv=None) -> list[dict]:
@@ -188,20 +193,21 @@ def main(argv=None) -> list[dict]:
 
         model = make_tiny_model(build_tokenizer(), seed=0, **MODELS["sft"])
     model.eval()
-    rate, bandwidth = matmul_flops_per_s(model.config, args.rows), read_bytes_per_s()
-    print(f"machine: matmul {rate / 1e9:.0f} GFLOP/s on this model's shapes at {args.rows} rows, read {bandwidth / 1e9:.1f} GB/s; "
-          f"{args.threads} thread(s)")
+    rate = matmul_flops_per_s(model.config, args.rows)
+    print(f"machine: matmul {rate / 1e9:.0f} GFLOP/s on this model's shapes at {args.rows} rows, read "
+          f"{read_bytes_per_s() / 1e9:.1f} GB/s over 256 MB; {args.threads} thread(s)")
     print(f"{'keys':>5} {'hf ms':>7} {'ops ms':>7} {'sdpa ms':>8} {'bf16 sdpa':>10} {'matmul ms':>10} {'sample ms':>10} "
           f"{'bound ms':>9} {'ops vs hf':>10} {'max |dlogit|':>13}")
     results = []
     for keys in args.keys:
-        r = measure(model, args.rows, keys, args.repeats, rate, bandwidth)
+        r = measure(model, args.rows, keys, args.repeats, rate)
         print(f"{keys:>5} {r['hf']:>7.2f} {r['ops']:>7.2f} {r['sdpa']:>8.2f} {r['sdpa_bf16']:>10.2f} {r['matmul']:>10.2f} "
               f"{r['sample']:>10.2f} {r['bound']:>9.2f} {r['hf'] / r['ops']:>9.2f}x {r['difference']:>13.1e}")
         results.append(r | {"keys": keys})
     for r in results:
         print(f"decode keys={r['keys']} hf_ms={r['hf']:.2f} ops_ms={r['ops']:.2f} sdpa_ms={r['sdpa']:.2f} "
-              f"matmul_ms={r['matmul']:.2f} bound_ms={r['bound']:.2f} best_speedup={r['hf'] / r['bound']:.2f}")
+              f"matmul_ms={r['matmul']:.2f} bound_ms={r['bound']:.2f} best_speedup={r['hf'] / r['bound']:.2f} "
+              f"kv_read_gb_per_s={r['kv_bytes'] / r['kv_read_s'] / 1e9:.1f}")
     return results
 
 

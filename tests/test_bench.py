@@ -142,7 +142,7 @@ def test_decode_step_bench_times_the_models_own_step_and_an_operator_copy_with_t
     for r, line in zip(results, last):
         assert r["difference"] < 1e-5  # the operator copy decodes the same logits as Decoder.step
         assert re.fullmatch(rf"decode keys={r['keys']} hf_ms=[\d.]+ ops_ms=[\d.]+ sdpa_ms=[\d.]+ matmul_ms=[\d.]+ "
-                            r"bound_ms=[\d.]+ best_speedup=[\d.]+", line)
+                            r"bound_ms=[\d.]+ best_speedup=[\d.]+ kv_read_gb_per_s=[\d.]+", line)
     # pi_SFT's shape: 3 layers of (128 x 256 q/k/v, 128 x 128 o, 128 x 768 gate/up, 384 x 128 down) and the head
     vocab = results[0]["flops"] / (2 * 3) - 3 * (128 * 256 + 128 * 128 + 128 * 768 + 384 * 128)
     assert vocab / 128 == int(vocab / 128) and results[1]["kv_bytes"] == 3 * 3 * 2 * 1 * 64 * 4 * 9
