@@ -203,6 +203,7 @@ def measure_run(loaded: dict) -> dict:
         "initial_error": first.get("critic/value_error/all"),
         "initial_error_first_quarter": first.get("critic/value_error/first_quarter"),
         "first_step_advantage_by_quarter": [first.get(f"advantage/pos_bin{b}") for b in range(4)],  # None: not logged
+        "fixed_position_bins": "advantage/pos_bin_tokens" in first,  # else quarters of each response's own length
         "first_step_advantage_last_token": first.get("advantage/last_token"),
         "first_step_advantage_other_tokens": first.get("advantage/other_tokens"),
         "length_ratio": length_ratio(lengths),
@@ -296,6 +297,16 @@ def fig2_by_position(args: Args, runs: dict[str, list[ablation.Run]]) -> dict | 
             "tokens": r.tokens.tolist(), "skipped": r.skipped}
 
 
+def quarters_of(m: dict) -> str:
+    """What the runs' Fig. 2 quarters are of: train.py bins token positions since it logs
+    advantage/pos_bin_tokens; before, quarters of each response's own length (not 0 for an exact critic)."""
+    fixed = {r["fixed_position_bins"] for rows in m["runs"].values() for r in rows}
+    if fixed == {True}:
+        return "of the token positions up to --max-new-tokens"
+    return ("of each response's own length (runs logged before train.py binned token positions: not 0 even "
+            "for an exact critic)" if fixed == {False} else "(mixed: runs logged by two versions of train.py)")
+
+
 def summary_line(m: dict) -> str:
     def mean(arm, key):
         return f"{ablation.mean_std([r[key] for r in m['runs'][arm]])[0]:.3f}" if arm in m["runs"] else "n/a"
@@ -346,7 +357,7 @@ def plot(m: dict, path: Path) -> None:
         ax.errorbar(np.arange(4) + 1, q.mean(0), yerr=q.std(0, ddof=1) if len(q) > 1 else None, marker="o",
                     capsize=3, label=label(m, arm))
     ax.axhline(0, color="black", lw=0.5)
-    ax.set(xlabel="quarter of the token positions up to --max-new-tokens (early -> late)", ylabel=f"mean advantage at step 0 ({m['lambda_actor']})",
+    ax.set(xlabel=f"quarter {quarters_of(m)} (early -> late)", ylabel=f"mean advantage at step 0 ({m['lambda_actor']})",
            xticks=[1, 2, 3, 4])
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
@@ -410,7 +421,7 @@ def markdown(m: dict, runs: dict[str, list[ablation.Run]]) -> str:
                      f"{per_seed(arm, 'recovery_steps')} | "
                      f"{pm(arm, 'final_acc')} |")
     lines += ["", f"Fig. 2 from the same runs: mean advantage ({m['lambda_actor']}, before whitening) over each quarter "
-              "of the token positions up to --max-new-tokens in the first batch, early to late:", "", "| arm | 1st | 2nd | 3rd | 4th |", "|---|---|---|---|---|"]
+              f"{quarters_of(m)} in the first batch, early to late:", "", "| arm | 1st | 2nd | 3rd | 4th |", "|---|---|---|---|---|"]
     for arm in (a for a in FIG2 if a in m["runs"]):
         q = np.array([r["first_step_advantage_by_quarter"] for r in m["runs"][arm]], dtype=float).mean(0)
         lines.append(f"| {label(m, arm)} | " + " | ".join(f"{x:+.3f}" for x in q) + " |")

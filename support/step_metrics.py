@@ -101,6 +101,8 @@ def rollout_metrics(scored: ScoredBatch, per_token: dict, advantages, timings: d
         metrics |= critic_error_metrics(scored, values, advantages, gamma, horizon, means)
     for b, in_bin in enumerate(position_bins(mask, horizon)):
         means.add(f"advantage/pos_bin{b}", advantages, in_bin)
+    # What the bins are (token positions per bin): runs logged before held quarters of each response.
+    metrics["advantage/pos_bin_tokens"] = horizon / POSITION_BINS
     metrics |= {f"timing_s/{k}": v for k, v in timings.items()}
     metrics["timing_s/step"] = sum(timings.values())
     metrics["perf/throughput"] = (batch.prompt_mask.sum() + mask.sum()).item() / metrics["timing_s/step"]  # per GPU

@@ -194,6 +194,12 @@ def test_each_arm_is_also_read_against_the_same_seeds_grpo_run(tmp_path):
     assert [r["length_vs_grpo"] for r in m["runs"]["decoupled-gae"]] == pytest.approx([480 / 580, 480 / 600])
     table = collapse.markdown(m, runs)
     assert "| length ratio | length vs GRPO |" in table
+    # These runs logged no advantage/pos_bin_tokens: their quarters are of each response's own length.
+    assert "over each quarter of each response's own length (runs logged before" in table
+    for rows in m["runs"].values():
+        for r in rows:
+            r["fixed_position_bins"] = True
+    assert "over each quarter of the token positions up to --max-new-tokens" in collapse.markdown(m, runs)
     assert [r["length_vs_grpo"] for r in collapse.measure(collapse.plan(
         dataclasses.replace(args, arms=("vc-ppo",)), []), -2.0)["runs"]["vc-ppo"]] == [None, None]
 

@@ -200,6 +200,7 @@ def test_ppo_step_feeds_decoupled_gae_advantages_to_the_actor_and_lambda_critic_
         in_bin = [advantages[b, t] for b, n in enumerate(lengths) for t in range(n)
                   if t * step_metrics.POSITION_BINS // MAX_NEW_TOKENS == k]
         assert metrics[f"advantage/pos_bin{k}"] == pytest.approx(sum(in_bin).item() / len(in_bin), abs=1e-5)
+    assert metrics["advantage/pos_bin_tokens"] == MAX_NEW_TOKENS / step_metrics.POSITION_BINS  # what the bins are
     valid = [advantages[b, t] for b, n in enumerate(lengths) for t in range(n)]
     assert metrics["advantage/mean"] == pytest.approx(sum(valid).item() / len(valid), abs=1e-5)  # unwhitened
     assert metrics["reward/mean"] == pytest.approx(expected_scores().mean().item())
