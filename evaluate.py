@@ -155,8 +155,8 @@ def evaluate_once(sampler: Sampler, records: list[dict], tag: str, path: str) ->
     otherwise sample the whole held-out set again); deterministic, like every draw here. The file
     holds a digest of the held-out records it scored: where they changed since (a --val-data file
     edited before a rerun without value pretraining; with it, the critic's stage, keyed on the data
-    files, refuses the rerun first), they are scored again, so that pi_SFT and the trained policy are always
-    compared on one set. A file written before the digest was kept is read as it is."""
+    files, refuses the rerun first), they are scored again, so that pi_SFT and the trained policy
+    are always compared on one set. A file written before the digest was kept is read as it is."""
     digest = hashlib.sha256(json.dumps(records, sort_keys=True, default=str).encode()).hexdigest()[:16]
     if not any_rank(not os.path.exists(path)):  # every rank sees it (a shared filesystem may lag): all read
         kept = read_json(path, "delete it to evaluate pi_SFT again")

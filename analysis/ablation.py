@@ -376,8 +376,9 @@ def markdown(agg: dict, wall: float, ran: int, runs: list[Run], loaded: dict, ta
     lines = [f"# Ablation on {task} (paper Table 2, Fig. 1)", "",
              f"Held-out evaluation after PPO, mean ± std over seeds (sample std). pass@1 and {k} from "
              f"the same samples; 'min train length' is the lowest batch-mean response length over the PPO "
-             f"steps (a length collapse shows here, though with no trend the lowest of a run's batch means sits "
-             f"below their level: about 2 of their standard deviations at 30 steps); 'critic EV' is the critic's explained variance of the "
+             f"steps (a length collapse shows here, though with no trend the lowest of a run's batch means "
+             f"sits below their level: about 2 of their standard deviations at 30 steps); 'critic EV' is the "
+             f"critic's explained variance of the "
              f"Monte-Carlo return G_t on the first PPO batch (how well V follows G_t from prefix to prefix; blind "
              f"to a constant offset, which metrics.jsonl's critic/value_error/all gives; '-' for runs made before "
              f"it was logged); the paper's column is AIME 2024 pass@1 "

@@ -28,8 +28,8 @@ length ratio (lowest 5-step moving average of the batch-mean length over the fir
 accuracy ratio (lowest 5-step moving average of training accuracy over pi_SFT's held-out pass@1);
 the recovery (steps from the trough of that moving average back to 0.9 of the first step's
 length); Fig. 2 from the same runs (each critic's mean advantage over each quarter of the token
-positions up to --max-new-tokens in the first batch, before whitening); and held-out pass@1 after PPO. With several seeds, mean ±
-std. Fig. 2 is also drawn by analysis/advantage_bias.py, by token position, for the critics the
+positions up to --max-new-tokens in the first batch, before whitening); and held-out pass@1 after
+PPO. With several seeds, mean ± std. Fig. 2 is also drawn by analysis/advantage_bias.py, by token position, for the critics the
 arms start from (the offset critic, the MSE ORM, the Bradley-Terry RM and the vc-ppo run's
 value-pretrained critic, on 128 fresh pi_SFT responses of the first seed; advantage_bias.* in
 --out), once the vc-ppo run has finished. It writes collapse.png (length, training accuracy and the

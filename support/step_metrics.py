@@ -55,8 +55,9 @@ def critic_error_metrics(scored: ScoredBatch, values, advantages, gamma: float, 
                          means: TokenMeans) -> dict:
     """How far the critic is from this batch's Monte-Carlo return G_t, and what that does to the
     advantages (§3.1): the mean of V(s_t) - G_t over all response tokens and over the first quarter
-    of the positions a response may reach, `horizon` (at step 0, the critic's initial error), and the mean advantage (before whitening)
-    of the last token, which alone sees r - V(s_{L-1}), against the rest. Returns the explained
+    of the positions a response may reach, `horizon` (at step 0, the critic's initial error), and
+    the mean advantage (before whitening) of the last token, which alone sees r - V(s_{L-1}),
+    against the rest. Returns the explained
     variance of G_t: `critic/vf_explained_var` scores V against the run's own targets, which at
     lambda_critic < 1 are built from V itself, so only this one compares critics across runs."""
     mask = scored.batch.response_mask
