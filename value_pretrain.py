@@ -8,9 +8,13 @@ lambda = 1.0 (the Monte-Carlo return: with one terminal reward every token's tar
 Convergence (documented criterion): every step logs value loss and explained variance; pretraining
 stops at `value_pretrain_steps`, or earlier once both plateau: over two consecutive windows of
 `plateau_window` steps, the mean value loss falls by less than `plateau_rel_tol` (relative) and the
-mean explained variance rises by less than `plateau_ev_tol` (absolute). A step whose returns are all
-equal (every response right, or every one wrong) has no explained variance (NaN): the means skip
-it, and a window with none at all is judged on the value loss alone.
+mean explained variance rises by less than `plateau_ev_tol` (absolute), each by a margin of two
+standard errors of the difference of the two means (from the steps' spread within each window).
+Each step's loss is on a fresh batch, and mostly follows how mixed that batch's outcomes are, so a
+window's mean can dip by chance while the critic still learns; where the batches are too small for
+the windows to tell, pretraining runs all its steps. A step whose returns are all equal (every
+response right, or every one wrong) has no explained variance (NaN): the means skip it, and a window
+with none at all is judged on the value loss alone.
 """
 
 from __future__ import annotations
@@ -112,14 +116,22 @@ def plateaued(history: list[dict], window: int, rel_tol: float, ev_tol: float) -
         return False
     prev, last = history[-2 * window : -window], history[-window:]
 
-    def mean(rows, key):  # over the steps where it is defined (module docstring); NaN where none is
+    def mean_and_variance(rows, key):  # over the steps where it is defined; NaN where none is
         values = [r[key] for r in rows if math.isfinite(r[key])]
-        return sum(values) / len(values) if values else math.nan
+        if not values:
+            return math.nan, math.nan
+        mean = sum(values) / len(values)
+        spread = sum((v - mean) ** 2 for v in values) / (len(values) - 1) if len(values) > 1 else 0.0
+        return mean, spread / len(values)  # the variance of the mean
 
-    loss_prev, loss_last = mean(prev, "value_loss"), mean(last, "value_loss")
-    ev_prev, ev_last = mean(prev, "explained_variance"), mean(last, "explained_variance")
-    ev_flat = math.isnan(ev_prev) or math.isnan(ev_last) or ev_last - ev_prev < ev_tol
-    return loss_prev - loss_last < rel_tol * loss_prev and ev_flat
+    def change(key):  # the last window's mean less the one before, and two standard errors of that
+        (before, var_before), (after, var_after) = mean_and_variance(prev, key), mean_and_variance(last, key)
+        return after - before, 2 * math.sqrt(var_before + var_after), before
+
+    loss_change, loss_margin, loss_prev = change("value_loss")
+    ev_change, ev_margin, _ = change("explained_variance")
+    ev_flat = math.isnan(ev_change) or ev_change + ev_margin < ev_tol
+    return -loss_change + loss_margin < rel_tol * loss_prev and ev_flat
 
 
 def pretrain_step(cfg, step: int, critic, critic_optimizer, sampler: Sampler, records: list[dict]) -> dict:

@@ -654,10 +654,16 @@ def history(losses, evs):
     ([1.0] * 6, [0.5] * 4 + [0.7, NAN], False),  # the defined EVs still rise
     ([0.1] * 3 + [0.09] * 3, [0.5] * 6, False),  # rel_tol is relative: a 10% fall of a small loss...
     ([100.0] * 3 + [99.0] * 3, [0.5] * 6, True),  # ... and a 1% fall of a large one
+    # Means as flat as the first case's, but the steps' own spread (fresh batches of mixed outcomes)
+    # is far larger than the tolerance: the windows cannot tell a plateau from a chance dip.
+    ([1.2, 0.8, 1.0, 1.1, 0.9, 0.99], [0.5] * 6, False),
+    ([1.0] * 6, [0.4, 0.6, 0.5, 0.45, 0.55, 0.5], False),
+    ([1.001, 0.999, 1.0, 0.991, 0.989, 0.99], [0.5] * 6, True),  # a spread well within the tolerance
 ])
 def test_plateaued_needs_both_loss_and_explained_variance_flat_over_two_windows(losses, evs, expected):
     """value_pretrain's documented stop: over two consecutive windows the mean loss falls by less
-    than rel_tol (relative) AND the mean explained variance rises by less than ev_tol."""
+    than rel_tol (relative) AND the mean explained variance rises by less than ev_tol, each by two
+    standard errors of the change (the steps' spread within each window)."""
     assert value_pretrain.plateaued(history(losses, evs), window=3, rel_tol=0.02, ev_tol=0.01) is expected
 
 
