@@ -169,7 +169,8 @@ def train_orm(model, batches: list[RolloutBatch], outcomes: list[torch.Tensor], 
         scores = _last_token_outputs(model, batch)
         if loss == "mse":
             summed = ((scores - outcome) ** 2).sum()  # MSE at the last token only, over every rank's rows
-            correct = (torch.sign(scores.detach()) == torch.sign(outcome)).float().sum()
+            # Right where the score's sign is the outcome's: a cut response's --truncation-reward 0 is a wrong one.
+            correct = ((scores.detach() > 0) == (outcome > 0)).float().sum()
         else:
             margin = scores[winners.to(scores.device)] - scores[losers.to(scores.device)]
             summed = -torch.nn.functional.logsigmoid(margin).sum()

@@ -282,6 +282,12 @@ def test_orm_sign_accuracy_is_the_share_of_scores_with_the_label_sign(tmp_path, 
     labels[0] = -labels[0]
     history = train_orm(model, [batch], [labels], steps=1, lr=1e-3)
     assert history[0]["orm/sign_accuracy"] == pytest.approx(0.75)
+    # A cut response under --truncation-reward 0 is a wrong one (orm_quality counts it so): a negative
+    # score is right about it. sign(0) matched no score, so it counted as wrong whatever the ORM said.
+    signs = torch.sign(orm_scores(model, batch))  # after that step's update
+    assert (signs < 0).any() and (signs > 0).any()
+    cut = signs.clamp(min=0.0)  # right where positive, cut (0) where negative: every score is right
+    assert train_orm(model, [batch], [cut], steps=1, lr=1e-3)[0]["orm/sign_accuracy"] == pytest.approx(1.0)
 
 
 # --- the Bradley-Terry reward model and the ORM's held-out quality ------------------------------
