@@ -5,8 +5,9 @@ The paper's causal story: a critic that scores prefixes too low gives early toke
 advantage bias, and with lambda < 1 the terminal reward reaches them too weakly (reward signal
 decay) to correct it, so the policy learns to stop early: length and accuracy fall. This script
 tests that story on the built-in task by setting the critic's initial error with
-`train.py --critic-init-offset C` (added to a fresh value head's bias: every V(s_t) starts at ~C,
-while pi_SFT's returns average about -0.6 and never go below -1), everything else the paper's.
+`train.py --critic-init-offset C` (added to a fresh value head's bias: every V(s_t) starts at C
+plus the fresh head's own few tenths, hence the measured initial error below, while pi_SFT's
+returns average about -0.6 and never go below -1), everything else the paper's.
 It tests the sign, not the paper's route: a constant offset cancels in every TD error but the last,
 so its bias reaches the tokens by lambda^(L-1-t) from the last one (r - V(s_{L-1})), largest at the
 end of the response, not accumulated on early tokens as the paper's reward-model critic does.
