@@ -397,8 +397,8 @@ def print_summary(summary: dict, run_dir: str) -> None:
         vp = summary["value_pretrain"]
         ev = vp["explained_variance"]  # None (read back) or NaN when every return was equal
         ev = "undefined (all returns equal)" if ev is None or math.isnan(ev) else f"{ev:.3f}"
-        print(f"value pretraining: final value loss {vp['value_loss']:.4f}, "
-              f"explained variance {ev} after {vp['step'] + 1} steps")
+        print(f"value pretraining: {vp['step'] + 1} steps; at the last, value loss {vp['value_loss']:.4f} "
+              f"(its update's) and explained variance {ev} (before it, on its fresh batch)")
     saved = [name for name in ("checkpoint/", "actor_hf_steps/") if os.path.isdir(os.path.join(run_dir, name))]
     print(f"\nwrote {run_dir}/: config.json, metrics.jsonl, TensorBoard events, {''.join(n + ', ' for n in saved)}"
           f"actor_hf/ (the final policy in Hugging Face format), eval_sft.json, summary.json")

@@ -5,7 +5,9 @@ lambda = 1.0 (the Monte-Carlo return: with one terminal reward every token's tar
 +-1), and regress the critic on them. The paper reports a fast "range alignment" phase, then a slower
 "knowledge injection" phase, and finds ~100 steps best (overfitting beyond ~150).
 
-Convergence (documented criterion): every step logs value loss and explained variance; pretraining
+Convergence (documented criterion): every step logs value loss and explained variance (the loss
+its update computed, averaged over its optimizer steps; the explained variance of the values
+before that update, on the step's fresh batch, against its returns); pretraining
 stops at `value_pretrain_steps`, or earlier once both plateau: over two consecutive windows of
 `plateau_window` steps, the mean value loss falls by less than `plateau_rel_tol` (relative) and the
 mean explained variance rises by less than `plateau_ev_tol` (absolute), each by a margin of two
