@@ -1200,3 +1200,13 @@ def test_a_run_directory_is_checked_before_anything_is_written_to_it(tmp_path):
     (tmp_path / "r" / "metrics.jsonl").write_text('{"step": 0}\n')  # a log not to be written over in silence
     with pytest.raises(config.ConfigError, match="r holds metrics.jsonl but no config.json, the settings it was made"):
         rundir.check(cfg)
+
+
+def test_the_summary_says_which_value_pretraining_loss_and_explained_variance_it_prints(tmp_path, capsys):
+    """The last pretraining step's loss is its update's, its explained variance that of the values
+    before the update: the line said "final ... explained variance" as if of the critic it ends with."""
+    scores = {"pass@1": 0.25, "mean_length": 100.0, "truncated": 0.0}
+    summary = {"sft": scores, "ppo": scores, "value_pretrain": {"step": 19, "value_loss": 0.25, "explained_variance": None}}
+    train.print_summary(summary, str(tmp_path))
+    assert ("value pretraining: 20 steps; at the last, value loss 0.2500 (its update's) and explained variance "
+            "undefined (all returns equal) (before it, on its fresh batch)") in capsys.readouterr().out
