@@ -117,7 +117,9 @@ def markdown(curves: list[Curve]) -> str:
         "Value loss and explained variance of the critic against the frozen pi_SFT, per pretraining step "
         "(`value_pretrain/curve.jsonl`). Explained variance is measured on each step's fresh rollouts before "
         "the update (NaN where all returns were equal); the value loss is the mean of the loss over that "
-        "step's optimizer updates (`critic/vf_loss`), so it moves during the step.", "",
+        "step's optimizer updates (`critic/vf_loss`), so it moves during the step. Each step's batch is "
+        "fresh, and its loss follows how mixed that batch's outcomes are: the minimum loss and the maximum "
+        "explained variance mark the luckiest batch as much as the best critic.", "",
         "| run | steps | loss first | loss last | loss min (step) | EV first | EV last | EV max (step) |",
         "|---|---|---|---|---|---|---|---|", *rows, "",
         *[f"- {c.label}: {c.path}" for c in curves], "",
