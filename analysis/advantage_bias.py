@@ -379,6 +379,11 @@ def plot(r: BiasResult, path: Path) -> None:
     plt.close(fig)
 
 
+def sign_accuracy(quality: dict, loss: str) -> str:
+    """A reward model's sign accuracy for a table: '-' for a Bradley-Terry one, whose zero means nothing."""
+    return "-" if loss == "bradley-terry" or quality.get("sign_accuracy") is None else f"{quality['sign_accuracy']:.3f}"
+
+
 def mechanism_lines(r: BiasResult) -> list[str]:
     """The reward models' quality as reward models and the values around the box."""
     lines = ["## The reward models as reward models (held-out responses, score at the last token)", ""]
@@ -386,9 +391,12 @@ def mechanism_lines(r: BiasResult) -> list[str]:
         lines += ["| reward model | responses | n | correct | AUC | sign accuracy | base rate | mean score, correct "
                   "| mean score, wrong |", "|---|---|---|---|---|---|---|---|---|"]
         lines += [f"| {LABELS[critic]} | {name} | {q['responses']} | {q['correct']} | {q['auc']:.3f} | "
-                  f"{q['sign_accuracy']:.3f} | {q['base_rate']:.3f} | {q['mean_score_correct']:+.3f} | "
+                  f"{sign_accuracy(q, REWARD_MODELS[critic])} | {q['base_rate']:.3f} | {q['mean_score_correct']:+.3f} | "
                   f"{q['mean_score_wrong']:+.3f} |"
                   for critic, by_subset in r.orm_quality.items() for name, q in by_subset.items()]
+        if "orm-bt" in r.orm_quality:
+            lines += ["", "A Bradley-Terry score has no meaningful zero (only differences are trained): its sign "
+                      "accuracy is not shown, and its AUC is the measure."]
     else:
         lines.append("(no reward model read)")
     lines += ["", "## V(s_t) around the opening of the final box", "",

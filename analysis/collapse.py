@@ -432,8 +432,8 @@ def markdown(m: dict, runs: dict[str, list[ablation.Run]]) -> str:
         for arm, q in m["reward_models"].items():
             a = q.get("all", {})
             share = lambda key: "-" if a.get(key) is None else f"{a[key]:.3f}"  # noqa: E731  (null: undefined)
-            lines.append(f"| {arm} | {q['loss']} | {a.get('responses', 0)} | {share('auc')} | {share('sign_accuracy')} | "
-                         f"{share('base_rate')} |")
+            lines.append(f"| {arm} | {q['loss']} | {a.get('responses', 0)} | {share('auc')} | "
+                         f"{advantage_bias.sign_accuracy(a, q['loss'])} | {share('base_rate')} |")
     if m.get("fig2"):
         f2 = m["fig2"]
         lines += ["", f"Fig. 2 by position (analysis/advantage_bias.py, advantage_bias.md beside this file): the "

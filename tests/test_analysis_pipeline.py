@@ -279,6 +279,10 @@ def test_orm_quality_and_early_against_later_positions_are_reported(bias):
             assert 0 < result.early_vs_later[name][lam][1] < np.inf and 0 < result.first_bin_se[name][lam] < np.inf
     md = (out / "advantage_bias.md").read_text()
     assert "base rate" in md and "first bin less the later positions" in md
+    rows = {tuple(cell.strip() for cell in line.split("|")[1:3]): line.split("|")[6].strip()
+            for line in md.splitlines() if line.startswith(("| ORM-initialised | all", "| Bradley-Terry RM | all"))}
+    assert rows[("Bradley-Terry RM", "all")] == "-"  # no meaningful zero: no sign accuracy
+    assert float(rows[("ORM-initialised", "all")]) == pytest.approx(result.orm_quality["orm"]["all"]["sign_accuracy"], abs=1e-3)
 
 
 def position_sums_of_two_responses(monkeypatch, lengths: list[int]) -> dict:
