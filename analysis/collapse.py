@@ -169,14 +169,16 @@ def no_trend_band(curves: list[list[float]], window: int = WINDOW, draws: int = 
 
 
 def against_grpo(runs: dict[str, list[dict]]) -> None:
-    """Each run's lowest moving average of the length over that of the same seed's GRPO run, written
-    to its "length_vs_grpo" (None without one): the arms of a seed share the first batch and the
-    prompts, so the first batch's draw, and most of the trough's, cancel; GRPO has no critic to err."""
-    grpo = {r["seed"]: moving_average(r["curves"]["response_length/mean"]).min() for r in runs.get("grpo", [])}
-    for rows in runs.values():
-        for r in rows:
-            low = moving_average(r["curves"]["response_length/mean"]).min()
-            r["length_vs_grpo"] = float(low / grpo[r["seed"]]) if r["seed"] in grpo else None
+    """Each run's lowest moving average of the length, and of the training accuracy, over that of the
+    same seed's GRPO run, written to its "length_vs_grpo" and "acc_vs_grpo" (None without one): the
+    arms of a seed share the first batch and the prompts, so the first batch's draw, and much of the
+    trough's, cancel; GRPO has no critic to err."""
+    for curve, key in (("response_length/mean", "length_vs_grpo"), ("reward/accuracy", "acc_vs_grpo")):
+        grpo = {r["seed"]: moving_average(r["curves"][curve]).min() for r in runs.get("grpo", [])}
+        for rows in runs.values():
+            for r in rows:
+                low = moving_average(r["curves"][curve]).min()
+                r[key] = float(low / grpo[r["seed"]]) if grpo.get(r["seed"], 0) > 0 else None
 
 
 def recovery_steps(lengths: list[float], window: int = WINDOW) -> int | None:
@@ -403,14 +405,15 @@ def markdown(m: dict, runs: dict[str, list[ablation.Run]]) -> str:
              f"step's (by chance alone, a run with no trend in length reads {band['low']:.2f}-{band['high']:.2f}, 5-95%, "
              f"median {band['median']:.2f}, at these runs' step-to-step spread of {band['spread']:.0f} tokens around "
              f"{band['level']:.0f} over {band['steps']} steps: the first step is one batch); length vs "
-             f"GRPO: the lowest {WINDOW}-step mean over the same seed's GRPO run's (the same first batch and prompts); "
+             f"GRPO: the lowest {WINDOW}-step mean over the same seed's GRPO run's (the same first batch and prompts), "
+             f"and accuracy vs GRPO the same for training accuracy; "
              f"accuracy ratio: lowest {WINDOW}-step mean of training accuracy over pi_SFT's held-out pass@1 "
              f"({m['sft_acc']:.3f}). Calibrated: the first step whose |mean V(s_t) - G_t| <= {CALIBRATED}, per seed. "
              f"Recovery: steps from the trough back to {RECOVERED} of the first length, per seed (0: never fell below "
              f"it; -: not within the run).", "",
              "| arm | seeds | initial error (all) | (first quarter) | step-0 advantage, last token | (other tokens) "
-             "| calibrated at step | length ratio | length vs GRPO | accuracy ratio | recovery (steps) | final pass@1 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| calibrated at step | length ratio | length vs GRPO | accuracy ratio | accuracy vs GRPO | recovery (steps) "
+             "| final pass@1 |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     order = sorted(m["runs"], key=lambda a: (a.startswith("ppo-offset"), m["offsets"].get(a) or 0))
     for arm in order:
         seeds = ",".join(str(r["seed"]) for r in m["runs"][arm])
@@ -419,7 +422,7 @@ def markdown(m: dict, runs: dict[str, list[ablation.Run]]) -> str:
                      f"{pm(arm, 'first_step_advantage_last_token', signed=True)} | "
                      f"{pm(arm, 'first_step_advantage_other_tokens', signed=True)} | {per_seed(arm, 'calibration_steps')} | "
                      f"{pm(arm, 'length_ratio')} | {pm(arm, 'length_vs_grpo')} | {pm(arm, 'acc_ratio')} | "
-                     f"{per_seed(arm, 'recovery_steps')} | "
+                     f"{pm(arm, 'acc_vs_grpo')} | {per_seed(arm, 'recovery_steps')} | "
                      f"{pm(arm, 'final_acc')} |")
     lines += ["", f"Fig. 2 from the same runs: mean advantage ({m['lambda_actor']}, before whitening) over each quarter "
               f"{quarters_of(m)} in the first batch, early to late:", "", "| arm | 1st | 2nd | 3rd | 4th |", "|---|---|---|---|---|"]

@@ -186,14 +186,16 @@ def test_each_arm_is_also_read_against_the_same_seeds_grpo_run(tmp_path):
         level = [first, 600, 600, 600, 600, 600]
         fake_run(runs["grpo"][seed], level, [0.25] * 6, error=None, final=0.3)
         fake_run(runs["vc-ppo"][seed], level, [0.25] * 6, error=-0.1, final=0.3)
-        fake_run(runs["decoupled-gae"][seed], [first, 600, 450, 450, 450, 450], [0.25] * 6, error=-1.0, final=0.3)
+        fake_run(runs["decoupled-gae"][seed], [first, 600, 450, 450, 450, 450], [0.25] + [0.2] * 5, error=-1.0,
+                 final=0.3)
     m = collapse.measure(collapse.plan(args, []), -2.0)
     # Lowest 5-step means: GRPO and vc-ppo 580 (seed 0) and 600 (seed 1), decoupled-gae 480 on both.
     assert [r["length_ratio"] for r in m["runs"]["vc-ppo"]] == pytest.approx([580 / 500, 600 / 700])  # the draw
     assert [r["length_vs_grpo"] for r in m["runs"]["vc-ppo"]] == pytest.approx([1.0, 1.0])
     assert [r["length_vs_grpo"] for r in m["runs"]["decoupled-gae"]] == pytest.approx([480 / 580, 480 / 600])
+    assert [r["acc_vs_grpo"] for r in m["runs"]["decoupled-gae"]] == pytest.approx([0.8, 0.8])  # 0.2 against 0.25
     table = collapse.markdown(m, runs)
-    assert "| length ratio | length vs GRPO |" in table
+    assert "| length ratio | length vs GRPO | accuracy ratio | accuracy vs GRPO |" in table
     # These runs logged no advantage/pos_bin_tokens: their quarters are of each response's own length.
     assert "over each quarter of each response's own length (runs logged before" in table
     for rows in m["runs"].values():
