@@ -26,7 +26,8 @@ end of the response, not accumulated on early tokens as the paper's reward-model
 For each run it reads metrics.jsonl and summary.json and reports: the measured initial error
 (the mean of V(s_t) - G_t over the first batch's response tokens, `critic/value_error/all`); the
 length ratio (lowest 5-step moving average of the batch-mean length over the first step's); the
-accuracy ratio (lowest 5-step moving average of training accuracy over pi_SFT's held-out pass@1);
+accuracy ratio (lowest 5-step moving average of training accuracy over pi_SFT's held-out pass@1;
+both also over the same seed's GRPO run's lowest, which cancels the first batch's draw);
 the recovery (steps from the trough of that moving average back to 0.9 of the first step's
 length); Fig. 2 from the same runs (each critic's mean advantage over each quarter of the token
 positions up to --max-new-tokens in the first batch, before whitening); and held-out pass@1 after
