@@ -296,11 +296,12 @@ def prepare_orm(cfg, sft_path: str, sampler: Sampler, records: list[dict]) -> st
         quality = orm_quality(model, [draw("orm-heldout", i) for i in range(ORM_HELDOUT_BATCHES)])
         if is_main():
             write_json(os.path.join(staging, "quality.json"), {"loss": cfg.orm_loss, "final_step": history[-1], **quality})
-            held_out = quality.get("all", {})
+            # On complete responses: a cut one is a wrong one by its reward and ends without EOS, easy to rank.
+            held_out = quality.get("complete", {})
             tqdm.write(f"ORM ({cfg.orm_loss}): {cfg.orm_steps} steps on {sum(len(s.batch) for s in scored) * world_size()} "
                        f"graded samples, loss {history[-1]['orm/loss']:.3f}; held-out AUC "
-                       f"{auc_text(held_out.get('auc', float('nan')))} on {held_out.get('responses', 0)} responses "
-                       f"-> {path}")
+                       f"{auc_text(held_out.get('auc', float('nan')))} on {held_out.get('responses', 0)} complete "
+                       f"responses -> {path}")
 
     build_once(path, orm_settings(cfg), build, owner=cfg.run_name, remedy="delete it to train a new one")
     return path

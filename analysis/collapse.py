@@ -431,10 +431,11 @@ def markdown(m: dict, runs: dict[str, list[ablation.Run]]) -> str:
         q = np.array([r["first_step_advantage_by_quarter"] for r in m["runs"][arm]], dtype=float).mean(0)
         lines.append(f"| {label(m, arm)} | " + " | ".join(f"{x:+.3f}" for x in q) + " |")
     if m["reward_models"]:
-        lines += ["", "The reward models as reward models, on held-out pi_SFT responses (quality.json beside each):", "",
-                  "| arm | loss | responses | AUC | sign accuracy | base rate |", "|---|---|---|---|---|---|"]
+        lines += ["", "The reward models as reward models, on held-out pi_SFT responses that ended with EOS (a cut "
+                  "one is wrong by its reward, and easy to rank; quality.json beside each has all of them too):", "",
+                  "| arm | loss | complete responses | AUC | sign accuracy | base rate |", "|---|---|---|---|---|---|"]
         for arm, q in m["reward_models"].items():
-            a = q.get("all", {})
+            a = q.get("complete", {})
             share = lambda key: "-" if a.get(key) is None else f"{a[key]:.3f}"  # noqa: E731  (null: undefined)
             lines.append(f"| {arm} | {q['loss']} | {a.get('responses', 0)} | {share('auc')} | "
                          f"{advantage_bias.sign_accuracy(a, q['loss'])} | {share('base_rate')} |")

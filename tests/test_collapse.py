@@ -222,6 +222,21 @@ def test_the_no_trend_band_is_what_the_length_ratio_reads_by_chance_at_the_runs_
     assert 0.8 < np.mean(inside) < 0.97
 
 
+def test_the_reward_models_are_judged_on_complete_responses(tmp_path):
+    """A cut response is a wrong one by its reward and ends without EOS: the easiest to rank. The table
+    read quality.json's "all"; it reads "complete", and shows no sign accuracy for Bradley-Terry."""
+    args = collapse.Args(out_dir=str(tmp_path), arms=("ppo", "vc-ppo"), seeds=(0,), steps=6, read_only=True)
+    runs = collapse.plan(args, [])
+    for arm in ("ppo", "vc-ppo"):
+        fake_run(runs[arm][0], [600] * 6, [0.25] * 6, error=-1.0, final=0.3)
+    m = collapse.measure(runs, -2.0)
+    quality = lambda n, auc, sign: {"responses": n, "auc": auc, "sign_accuracy": sign, "base_rate": 0.75}  # noqa: E731
+    m["reward_models"] = {"ppo-orm": {"loss": "mse", "all": quality(12, 0.9, 0.9), "complete": quality(10, 0.7, 0.8)},
+                          "ppo-bt": {"loss": "bradley-terry", "all": quality(12, 0.8, 0.6), "complete": quality(10, 0.6, 0.5)}}
+    rows = [line for line in collapse.markdown(m, runs).splitlines() if line.startswith("| ppo-")]
+    assert rows == ["| ppo-orm | mse | 10 | 0.700 | 0.800 | 0.750 |", "| ppo-bt | bradley-terry | 10 | 0.600 | - | 0.750 |"]
+
+
 def test_fig2_is_labelled_with_the_runs_own_lambda_actor(tmp_path):
     """The Fig. 2 table and panel said "lambda 0.95" whatever lambda_actor the runs were given after `--`."""
     args = collapse.Args(out_dir=str(tmp_path), arms=("ppo", "vc-ppo"), seeds=(0,), steps=6, read_only=True)
