@@ -16,7 +16,8 @@ Each step's loss is on a fresh batch, and mostly follows how mixed that batch's 
 window's mean can dip by chance while the critic still learns; where the batches are too small for
 the windows to tell, pretraining runs all its steps. A step whose returns are all equal (every
 response right, or every one wrong) has no explained variance (NaN): the means skip it, and a window
-with none at all is judged on the value loss alone.
+with fewer than two is judged on the value loss alone. A window of one step cannot show its noise,
+so `plateau_window` 1 never stops early.
 """
 
 from __future__ import annotations
@@ -118,13 +119,12 @@ def plateaued(history: list[dict], window: int, rel_tol: float, ev_tol: float) -
         return False
     prev, last = history[-2 * window : -window], history[-window:]
 
-    def mean_and_variance(rows, key):  # over the steps where it is defined; NaN where none is
-        values = [r[key] for r in rows if math.isfinite(r[key])]
-        if not values:
+    def mean_and_variance(rows, key):  # over the steps where it is defined; NaN where fewer than two
+        values = [r[key] for r in rows if math.isfinite(r[key])]  # are: one step cannot show its noise
+        if len(values) < 2:
             return math.nan, math.nan
         mean = sum(values) / len(values)
-        spread = sum((v - mean) ** 2 for v in values) / (len(values) - 1) if len(values) > 1 else 0.0
-        return mean, spread / len(values)  # the variance of the mean
+        return mean, sum((v - mean) ** 2 for v in values) / (len(values) - 1) / len(values)  # the mean's variance
 
     def change(key):  # the last window's mean less the one before, and two standard errors of that
         (before, var_before), (after, var_after) = mean_and_variance(prev, key), mean_and_variance(last, key)

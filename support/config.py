@@ -193,7 +193,7 @@ class Config:
     (-log sigmoid(r_w - r_l)), as RLHF reward models are, leaving its offset and scale free"""
     plateau_window: int = 10
     """value pretraining stops early when loss and EV plateau over two such windows, beyond the
-    steps' own noise (value_pretrain.plateaued)"""
+    steps' own noise (value_pretrain.plateaued; 1 step shows no noise, and never stops early)"""
     plateau_rel_tol: float = 0.02
     """...the mean value loss fell by less than this share"""
     plateau_ev_tol: float = 0.01

@@ -659,12 +659,20 @@ def history(losses, evs):
     ([1.2, 0.8, 1.0, 1.1, 0.9, 0.99], [0.5] * 6, False),
     ([1.0] * 6, [0.4, 0.6, 0.5, 0.45, 0.55, 0.5], False),
     ([1.001, 0.999, 1.0, 0.991, 0.989, 0.99], [0.5] * 6, True),  # a spread well within the tolerance
+    ([1.0] * 6, [0.3, NAN, NAN, 0.5, 0.5, 0.5], True),  # one EV in a window shows no noise: the loss decides
 ])
 def test_plateaued_needs_both_loss_and_explained_variance_flat_over_two_windows(losses, evs, expected):
     """value_pretrain's documented stop: over two consecutive windows the mean loss falls by less
     than rel_tol (relative) AND the mean explained variance rises by less than ev_tol, each by two
     standard errors of the change (the steps' spread within each window)."""
     assert value_pretrain.plateaued(history(losses, evs), window=3, rel_tol=0.02, ev_tol=0.01) is expected
+
+
+def test_a_plateau_window_of_one_step_never_stops_pretraining():
+    """One step a window shows nothing of the steps' noise: the margin was 0, and a chance dip of one
+    batch's loss stopped pretraining, as the rule without a margin did."""
+    assert not value_pretrain.plateaued(history([1.3, 1.29], [0.5, 0.5]), window=1, rel_tol=0.02, ev_tol=0.01)
+    assert not value_pretrain.plateaued(history([1.0] * 6, [0.5] * 6), window=1, rel_tol=0.02, ev_tol=0.01)
 
 
 def test_the_paper_math_imports_no_distributed_plumbing():
