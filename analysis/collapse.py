@@ -156,10 +156,14 @@ def no_trend_band(curves: list[list[float]], window: int = WINDOW, draws: int = 
     no trend in length, each step's batch mean drawn around one level, the runs' start (the median
     of their first `window` batch means), with the spread `curves` (the runs' batch-mean lengths) show
     from step to step (the std of their step-to-step changes over sqrt 2, which a slow trend barely
-    moves; median over runs), for as many steps as they ran."""
+    moves; median over runs), for as many steps as the median run ran. NaN below 3 steps, which show
+    no spread."""
+    steps = int(np.median([len(c) for c in curves]))
+    if steps < 3:
+        nan = float("nan")
+        return {"low": nan, "median": nan, "high": nan, "spread": nan, "level": nan, "steps": steps}
     spread = float(np.median([np.std(np.diff(c)) / np.sqrt(2) for c in curves]))
     level = float(np.median([np.mean(c[:window]) for c in curves]))
-    steps = int(np.median([len(c) for c in curves]))
     x = level + spread * np.random.default_rng(0).standard_normal((draws, steps))
     w = min(window, steps)
     sums = np.cumsum(np.pad(x, ((0, 0), (1, 0))), axis=1)
@@ -175,11 +179,15 @@ def against_grpo(runs: dict[str, list[dict]]) -> None:
     arms of a seed share the first batch and the prompts, so the first batch's draw, and much of the
     trough's, cancel; GRPO has no critic to err."""
     for curve, key in (("response_length/mean", "length_vs_grpo"), ("reward/accuracy", "acc_vs_grpo")):
-        grpo = {r["seed"]: moving_average(r["curves"][curve]).min() for r in runs.get("grpo", [])}
+        grpo = {r["seed"]: r["curves"][curve] for r in runs.get("grpo", [])}
         for rows in runs.values():
             for r in rows:
-                low = moving_average(r["curves"][curve]).min()
-                r[key] = float(low / grpo[r["seed"]]) if grpo.get(r["seed"], 0) > 0 else None
+                if r["seed"] not in grpo:
+                    r[key] = None
+                    continue
+                steps = min(len(r["curves"][curve]), len(grpo[r["seed"]]))  # over the steps both ran
+                low, reference = (moving_average(c[:steps]).min() for c in (r["curves"][curve], grpo[r["seed"]]))
+                r[key] = float(low / reference) if reference > 0 else None
 
 
 def recovery_steps(lengths: list[float], window: int = WINDOW) -> int | None:

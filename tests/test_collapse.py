@@ -194,6 +194,12 @@ def test_each_arm_is_also_read_against_the_same_seeds_grpo_run(tmp_path):
     assert [r["length_vs_grpo"] for r in m["runs"]["vc-ppo"]] == pytest.approx([1.0, 1.0])
     assert [r["length_vs_grpo"] for r in m["runs"]["decoupled-gae"]] == pytest.approx([480 / 580, 480 / 600])
     assert [r["acc_vs_grpo"] for r in m["runs"]["decoupled-gae"]] == pytest.approx([0.8, 0.8])  # 0.2 against 0.25
+    # A run cut short is read against GRPO's same steps only: GRPO's own later trough does not count.
+    curves = lambda lengths: {"response_length/mean": lengths, "reward/accuracy": [0.25] * len(lengths)}  # noqa: E731
+    short = {"grpo": [{"seed": 0, "curves": curves([600] * 5 + [300] * 5)}],
+             "ppo": [{"seed": 0, "curves": curves([600] * 5)}]}
+    collapse.against_grpo(short)
+    assert short["ppo"][0]["length_vs_grpo"] == 1.0
     table = collapse.markdown(m, runs)
     assert "| length ratio | length vs GRPO | accuracy ratio | accuracy vs GRPO |" in table
     # These runs logged no advantage/pos_bin_tokens: their quarters are of each response's own length.
@@ -216,6 +222,7 @@ def test_the_no_trend_band_is_what_the_length_ratio_reads_by_chance_at_the_runs_
     q, n = collapse.no_trend_band(quiet), collapse.no_trend_band(noisy)
     assert q["spread"] == pytest.approx(2.0, rel=0.4) and n["spread"] == pytest.approx(40.0, rel=0.4)
     assert n["low"] < q["low"] < q["median"] < 1.0 < q["high"] < n["high"]  # the trough sits below the level
+    assert math.isnan(collapse.no_trend_band([[500.0, 510.0]] * 3)["low"])  # two steps show no spread
     # One run's own draws of the ratio fall in its band about as often as the band says (90%).
     inside = [n["low"] <= collapse.length_ratio(list(500 + 40 * rng.standard_normal(30))) <= n["high"]
               for _ in range(400)]
