@@ -137,7 +137,8 @@ def train_orm(model, batches: list[RolloutBatch], outcomes: list[torch.Tensor], 
       one prompt (`preference_pairs`, prompts in groups of `group` rows); only score differences are
       trained, so the offset and scale are what training leaves them; logs the share of pairs ordered right.
 
-    `outcomes[i]` is a float tensor [B_i] of +-1 (e.g. a `reward.Grader`'s) for `batches[i]`.
+    `outcomes[i]` is a float tensor [B_i] of +-1 (e.g. a `reward.Grader`'s; a cut response may have its
+    --truncation-reward, <= 0) for `batches[i]`.
     Steps cycle through the batches (with Bradley-Terry, those that hold a pair). Returns per-step
     metrics. Under torchrun `model` is sharded and each rank holds its share of every batch: the
     per-row (per-pair) losses are divided by the global count and FSDP sums the gradients, so the step

@@ -344,6 +344,8 @@ def sign_sentence(first_bin: float, first_se: float, early: float, early_se: flo
     def against(mean, se, above, below, neither):
         if not np.isfinite(mean):  # no token at the positions compared
             return "undefined (no token there)"
+        if not np.isfinite(se):  # one response: no spread to judge it by
+            return "not judged (one response)"
         return neither if abs(mean) <= 2 * se else above if mean > 0 else below
 
     level = against(first_bin, first_se, "above 0", "below 0", "within 2 SE of 0")

@@ -346,6 +346,7 @@ def test_early_tokens_are_judged_against_later_positions_not_against_their_own_r
     mean, influence = advantage_bias.pooled_mean([0.0, 0.0], [0, 0])
     assert np.isnan(mean) and np.isnan(advantage_bias.standard_error(influence))
     assert advantage_bias.sign_sentence(0.3, 0.05, mean, np.nan).endswith("undefined (no token there)")
+    assert advantage_bias.sign_sentence(0.3, np.nan, 0.1, np.nan) == "level not judged (one response); not judged (one response)"
     sentence = advantage_bias.sign_sentence
     assert sentence(-0.6, 0.05, 0.01, 0.02) == "level below 0; early tokens no different from later ones (within 2 SE)"
     assert sentence(0.3, 0.05, -0.2, 0.05).startswith("level above 0; early tokens penalised against later ones")
