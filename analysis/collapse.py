@@ -164,11 +164,8 @@ def no_trend_band(curves: list[list[float]], window: int = WINDOW, draws: int = 
         return {"low": nan, "median": nan, "high": nan, "spread": nan, "level": nan, "steps": steps}
     spread = float(np.median([np.std(np.diff(c)) / np.sqrt(2) for c in curves]))
     level = float(np.median([np.mean(c[:window]) for c in curves]))
-    x = level + spread * np.random.default_rng(0).standard_normal((draws, steps))
-    w = min(window, steps)
-    sums = np.cumsum(np.pad(x, ((0, 0), (1, 0))), axis=1)
-    lowest = ((sums[:, w:] - sums[:, :-w]) / w).min(axis=1)  # the lowest moving average of each draw
-    low, median, high = np.percentile(lowest / x[:, 0], [5, 50, 95])
+    runs = level + spread * np.random.default_rng(0).standard_normal((draws, steps))
+    low, median, high = np.percentile([length_ratio(run.tolist(), window) for run in runs], [5, 50, 95])
     return {"low": float(low), "median": float(median), "high": float(high), "spread": spread, "level": level,
             "steps": steps}
 
