@@ -57,9 +57,9 @@ def critic_error_metrics(scored: ScoredBatch, values, advantages, gamma: float, 
     advantages (§3.1): the mean of V(s_t) - G_t over all response tokens and over the first quarter
     of the positions a response may reach, `horizon` (at step 0, the critic's initial error), and
     the mean advantage (before whitening) of the last token, which alone sees r - V(s_{L-1}),
-    against the rest. Returns the explained
-    variance of G_t: `critic/vf_explained_var` scores V against the run's own targets, which at
-    lambda_critic < 1 are built from V itself, so only this one compares critics across runs."""
+    against the rest. Returns the explained variance of G_t: `critic/vf_explained_var` scores V
+    against the run's own targets, which at lambda_critic < 1 are built from V itself, so only this
+    one compares critics across runs."""
     mask = scored.batch.response_mask
     _, mc_return = compute_gae(scored.token_rewards, values, mask, gamma, lam=1.0)  # Eq. 5 at lambda = 1: G_t
     last = torch.zeros_like(mask)
